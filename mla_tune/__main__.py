@@ -1,0 +1,5 @@
+"""`python -m mla_tune` runs the CLI."""
+
+from mla_tune.cli import main
+
+main()

@@ -1,0 +1,90 @@
+"""The one small interface every kernel family implements.
+
+A backend knows how to enumerate its variants for a shape and how to build one into a
+callable over the task tuple. It knows nothing of the DB, the search or the CLI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from mla_tune.problem import Shape, TaskInput
+from mla_tune.space import ParamSpace, load_backend_space
+
+KernelFn = Callable[[TaskInput], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run here, and if not, exactly why."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def hash_files(paths: Iterable[Path]) -> str:
+    """Content hash of kernel sources: winners tuned for other sources are not reused."""
+    h = hashlib.sha256()
+    for p in sorted(Path(p) for p in paths):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+class Backend(ABC):
+    """A kernel family. Subclasses set `name` and implement the abstract methods."""
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+
+    @abstractmethod
+    def available(self, device: torch.device) -> Availability:
+        """Can this family run on `device` at all (library installed, right vendor)?"""
+
+    def supports(self, shape: Shape) -> str | None:
+        """None if the family handles `shape`, else the reason it does not."""
+        return None
+
+    def declared_space(self, device: torch.device) -> ParamSpace:
+        """The space from `configs/backends/<name>.toml`; used to validate stored configs."""
+        return load_backend_space(self.name, torch.device(device).type)
+
+    def feasible(self, shape: Shape, config: Mapping[str, Any]) -> bool:
+        """Prune points that cannot work for this shape (too many splits, etc.)."""
+        return True
+
+    def candidates(self, shape: Shape, device: torch.device) -> list[dict[str, Any]]:
+        """The grid of feasible configs for `shape`, in a stable order."""
+        return [c for c in self.declared_space(device).grid() if self.feasible(shape, c)]
+
+    def precheck(self, shape: Shape, config: Mapping[str, Any],
+                 device: torch.device) -> str | None:
+        """A reason to skip this variant before spending device time (e.g. it spills
+        registers or exceeds shared memory when compiled), or None to go ahead."""
+        return None
+
+    @abstractmethod
+    def build(self, shape: Shape, config: Mapping[str, Any], device: torch.device) -> KernelFn:
+        """Compile/prepare one variant. All one-time work (JIT, plans, buffers) happens here,
+        never in the returned callable."""
+
+    @abstractmethod
+    def source_files(self) -> list[Path]:
+        """Files whose content defines this family's kernels."""
+
+    def source_hash(self) -> str:
+        return hash_files(self.source_files())
+
+    def versions(self) -> dict[str, str]:
+        """Versions of libraries this family depends on beyond torch/triton."""
+        return {}

@@ -1,0 +1,45 @@
+"""Named shape suites, declared in `configs/suites.toml`."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from mla_tune.problem import KVFormat, Shape
+from mla_tune.space import load_toml
+
+
+class UnknownSuiteError(ValueError):
+    pass
+
+
+def _suites() -> dict[str, Any]:
+    return load_toml("suites.toml").get("suites", {})
+
+
+def suite_names() -> list[str]:
+    return list(_suites())
+
+
+def suite_shapes(name: str, kv_formats: list[KVFormat] | None = None) -> list[Shape]:
+    """The shapes of suite `name`; `kv_formats` overrides the formats the suite declares."""
+    suites = _suites()
+    if name not in suites:
+        raise UnknownSuiteError(
+            f"unknown suite {name!r}; known suites: {', '.join(suites) or '(none)'}")
+    spec = suites[name]
+    entries: list[dict[str, Any]] = list(spec.get("shapes", []))
+    grid = spec.get("grid")
+    if grid:
+        keys = list(grid)
+        for combo in itertools.product(*(grid[k] for k in keys)):
+            entries.append(dict(zip(keys, combo)))
+    shapes: list[Shape] = []
+    for e in entries:
+        formats = kv_formats or [KVFormat(e.get("kv_format", "bf16"))]
+        for fmt in formats:
+            shape = Shape.uniform(int(e["batch"]), int(e["kv"]), q_len=int(e.get("q_len", 1)),
+                                  heads=int(e.get("heads", 16)), kv_format=fmt)
+            if shape not in shapes:
+                shapes.append(shape)
+    return shapes

@@ -1,0 +1,74 @@
+"""End-to-end CLI runs on a temporary SQLite DB (real torch family on CPU)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from mla_tune.cli import app
+from mla_tune.db import TuningStore
+
+runner = CliRunner()
+FAST = ["--time-budget", "0.02", "--device", "cpu"]
+
+
+def _sweep(db, *extra):
+    return runner.invoke(app, ["sweep", "--db", str(db), *FAST, *extra])
+
+
+def test_sweep_then_report_one_winner_per_format_and_no_duplicates(tmp_path):
+    db = tmp_path / "tuning.db"
+    r = _sweep(db, "--shape", "4x64", "--backend", "torch")
+    assert r.exit_code == 0, r.output
+    n_trials = len(TuningStore(str(db)).trials())
+    assert n_trials > 0
+    rep = runner.invoke(app, ["report", "--db", str(db), "--format", "json"])
+    assert rep.exit_code == 0, rep.output
+    rows = json.loads(rep.stdout)
+    assert sorted(r["shape_key"] for r in rows) == [
+        "b4-q1-kv64-h16-bf16-p1", "b4-q1-kv64-h16-fp8-p1", "b4-q1-kv64-h16-mxfp4-p1"]
+    assert all(r["backend"] == "torch" and r["median_us"] > 0 for r in rows)
+    r2 = _sweep(db, "--shape", "4x64", "--backend", "torch")
+    assert r2.exit_code == 0, r2.output
+    assert len(TuningStore(str(db)).trials()) == n_trials
+    table = runner.invoke(app, ["report", "--db", str(db)])
+    assert table.exit_code == 0 and "4x64 fp8" in table.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shape", "256x"], "bad shape"),
+    (["--shape", "0x8192"], "bad shape"),
+    (["--shape", "-4x1024"], "bad shape"),
+    (["--shape", "4x1024x9"], "bad shape"),
+    (["--shape", "4x64", "--backend", "nope"], "unknown backend"),
+    (["--shape", "4x64", "--kv-format", "int4"], "unknown kv format"),
+    (["--suite", "nope"], "unknown suite"),
+    (["--shape", "4x64", "--strategy", "annealing"], "unknown strategy"),
+])
+def test_bad_input_exits_2_and_leaves_db_unchanged(tmp_path, args, message):
+    db = tmp_path / "tuning.db"
+    assert _sweep(db, "--shape", "2x32", "--backend", "torch", "-f", "bf16").exit_code == 0
+    before = db.read_bytes()
+    r = _sweep(db, *args)
+    assert r.exit_code == 2
+    assert message in r.output
+    assert db.read_bytes() == before
+
+
+def test_non_sqlite_and_unreadable_db_are_refused(tmp_path):
+    bogus = tmp_path / "notes.db"
+    bogus.write_text("this is not a database\n")
+    r = _sweep(bogus, "--shape", "2x32", "--backend", "torch")
+    assert r.exit_code == 2 and "SQLite" in r.output
+    assert bogus.read_text() == "this is not a database\n"
+    r = runner.invoke(app, ["report", "--db", str(tmp_path)])
+    assert r.exit_code == 2
+
+
+def test_module_entry_point_and_doctor():
+    r = subprocess.run([sys.executable, "-m", "mla_tune", "doctor", "--device", "cpu"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "torch" in r.stdout and "backends" in r.stdout

@@ -1,0 +1,60 @@
+import optuna
+
+from mla_tune.search import SearchDriver, Strategy, make_sampler
+from mla_tune.space import ParamSpace, config_key
+
+SPACE = ParamSpace.from_mapping({"bn": [16, 32, 64], "splits": [1, 2, 4, 8]})
+
+
+def _driver(strategy, budget=None, measured=None, candidates=None):
+    study = optuna.create_study(direction="minimize", sampler=make_sampler(strategy, 0))
+    cands = candidates if candidates is not None else list(SPACE.grid())
+    return SearchDriver(study, SPACE, cands, strategy, budget, measured or {}), study
+
+
+def _cost(c):
+    return abs(c["bn"] - 32) + abs(c["splits"] - 4) + 1.0
+
+
+def test_grid_measures_every_candidate_once_and_mirrors_to_optuna():
+    d, study = _driver(Strategy.GRID)
+    seen = []
+    assert d.run(lambda c: seen.append(c) or _cost(c)) == 12
+    assert len({config_key(c) for c in seen}) == 12
+    assert len(study.trials) == 12 and study.best_value == 1.0
+    assert study.best_params == {"bn": 32, "splits": 4}
+
+
+def test_grid_skips_already_measured_and_respects_budget():
+    measured = {config_key(c): 5.0 for c in list(SPACE.grid())[:5]}
+    d, _ = _driver(Strategy.GRID, budget=8, measured=measured)
+    seen = []
+    d.run(lambda c: seen.append(c) or 1.0)
+    assert len(seen) == 3
+    assert not {config_key(c) for c in seen} & set(measured)
+    d2, _ = _driver(Strategy.GRID, budget=5, measured=measured)
+    assert d2.run(lambda c: 1.0) == 0
+
+
+def test_failed_trials_are_recorded_as_fail():
+    d, study = _driver(Strategy.GRID)
+    d.run(lambda c: None if c["splits"] == 8 else _cost(c))
+    states = [t.state for t in study.trials]
+    assert states.count(optuna.trial.TrialState.FAIL) == 3
+
+
+def test_tpe_and_random_stay_feasible_and_within_budget():
+    feasible = [c for c in SPACE.grid() if c["bn"] * c["splits"] <= 128]
+    for strategy in (Strategy.TPE, Strategy.RANDOM):
+        d, _ = _driver(strategy, budget=6, candidates=feasible)
+        seen = []
+        n = d.run(lambda c: seen.append(c) or _cost(c))
+        assert n == len(seen) == 6
+        assert all(c["bn"] * c["splits"] <= 128 for c in seen)
+        assert len({config_key(c) for c in seen}) == 6
+
+
+def test_sampled_search_exhausts_small_space():
+    cands = [{"bn": 16, "splits": 1}, {"bn": 64, "splits": 8}]
+    d, _ = _driver(Strategy.RANDOM, candidates=cands)
+    assert d.run(_cost) == 2

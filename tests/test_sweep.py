@@ -1,0 +1,52 @@
+import pytest
+
+from mla_tune.backends import get_backend, register
+from mla_tune.db import TuningStore
+from mla_tune.problem import Shape
+from mla_tune.sweep import SweepOptions, run_sweep
+from mla_tune.timing import TimingPolicy
+
+FAST = TimingPolicy(warmup=1, min_runs=3, max_runs=5, budget_s=0.05)
+
+
+@pytest.fixture()
+def store(tmp_path):
+    register("toy", "tests.fixtures.toy_backends:ToyBackend")
+    return TuningStore(f"sqlite:///{tmp_path / 't.db'}")
+
+
+def test_sweep_records_every_outcome_and_picks_fastest_correct(store):
+    shape = Shape(2, (7, 12))
+    results = run_sweep([shape], [get_backend("toy")], store,
+                        SweepOptions(policy=FAST, baselines=False))
+    trials = store.trials(shape_key=shape.key)
+    assert len(trials) == 12
+    by_mode = {}
+    for t in trials:
+        by_mode.setdefault(t.config["mode"], set()).add(t.status)
+    assert by_mode == {"ok": {"ok"}, "wrong": {"wrong"}, "raise": {"failed"}, "nan": {"wrong"}}
+    failed = [t for t in trials if t.status == "failed"]
+    assert all("toy variant failed to compile" in t.error for t in failed)
+    wrong = [t for t in trials if t.config["mode"] == "wrong"]
+    assert all(t.max_abs_err > 0 and t.mismatch_frac > 0 for t in wrong)
+    w = results[0].winner
+    assert w.backend == "toy" and w.config == {"delay_ms": 0, "mode": "ok"}
+    ok_times = sorted(t.median_us for t in trials if t.status == "ok")
+    assert w.median_us == ok_times[0] and ok_times[-1] > 3000
+
+
+def test_rerun_reuses_trials(store):
+    shape = Shape.uniform(2, 8)
+    opts = SweepOptions(policy=FAST, baselines=False)
+    run_sweep([shape], [get_backend("toy")], store, opts)
+    before = [(t.id, t.median_us) for t in store.trials()]
+    again = run_sweep([shape], [get_backend("toy")], store, opts)
+    assert [(t.id, t.median_us) for t in store.trials()] == before
+    assert again[0].backends[0].new_trials == 0 and again[0].backends[0].reused_trials == 12
+
+
+def test_budget_limits_new_measurements(store):
+    shape = Shape.uniform(1, 8)
+    run_sweep([shape], [get_backend("toy")], store,
+              SweepOptions(policy=FAST, baselines=False, budget=4))
+    assert len(store.trials(shape_key=shape.key)) == 4
