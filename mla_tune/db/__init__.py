@@ -1,0 +1,15 @@
+"""The tuning database: trials, winners and the fingerprints they were measured on."""
+
+from mla_tune.db.store import (
+    ClaimRow,
+    DBError,
+    DeviceRow,
+    TrialGroup,
+    TrialRow,
+    TuningStore,
+    WinnerRow,
+    resolve_url,
+)
+
+__all__ = ["ClaimRow", "DBError", "DeviceRow", "TrialGroup", "TrialRow", "TuningStore",
+           "WinnerRow", "resolve_url"]

@@ -1,0 +1,617 @@
+"""The tuning store: every measured trial and the current winner per (device, stack, shape).
+
+The store knows nothing of kernels: configs and shapes are opaque JSON objects to it, and
+everything it hands back is plain frozen data parsed with `json.loads` (a DB file is data,
+never code). One SQLite file or one PostgreSQL database may be shared by many tuning
+processes and by Optuna's studies, so every write is race-safe and our tables are prefixed.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+import os
+import sqlite3
+import time
+import warnings
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.util import CommandError
+from sqlalchemy import (
+    URL,
+    ColumnElement,
+    Connection,
+    Engine,
+    Float,
+    and_,
+    cast,
+    create_engine,
+    delete,
+    event,
+    exists,
+    extract,
+    func,
+    make_url,
+    or_,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+from sqlalchemy.orm import Session
+
+from mla_tune.db.models import (
+    TRIAL_STATUSES,
+    Claim,
+    Device,
+    Software,
+    Trial,
+    Winner,
+    utcnow,
+)
+from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint
+from mla_tune.space import config_key
+
+if TYPE_CHECKING:
+    from optuna.storages import RDBStorage
+
+ENV_VAR = "MLA_TUNE_DB"
+DEFAULT_URL = "sqlite:///tuning.db"
+SQLITE_HEADER = b"SQLite format 3\x00"
+BUSY_TIMEOUT_S = 30
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+STAT_KEYS = ("median_us", "mean_us", "std_us", "min_us", "max_us", "n")
+_TRIAL_KEY = ("device_id", "software_id", "shape_key", "backend", "source_hash", "config_key")
+_WINNER_KEY = ("device_id", "software_id", "shape_key")
+_GROUP_KEY = ("device_id", "software_id", "shape_key", "backend", "source_hash")
+# Optuna creates its tables without a lock; a process racing another on a fresh DB fails
+# with "already exists" (or a lock error) and succeeds when it tries again.
+_OPTUNA_OPEN_ATTEMPTS = 5
+
+
+class DBError(RuntimeError):
+    """The tuning DB cannot be used as given; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class DeviceRow:
+    """A device known to the DB, with its measured read bandwidth if any."""
+
+    id: int
+    hash: str
+    fingerprint: DeviceFingerprint
+    read_bw_gbps: float | None
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class TrialRow:
+    """One measured (or failed) config, detached from any DB session."""
+
+    id: int
+    device_id: int
+    software_id: int
+    shape_key: str
+    shape_json: dict[str, Any]
+    kv_format: str
+    backend: str
+    source_hash: str
+    config: dict[str, Any]
+    config_key: str
+    status: str
+    median_us: float | None
+    mean_us: float | None
+    std_us: float | None
+    min_us: float | None
+    max_us: float | None
+    n: int | None
+    max_abs_err: float | None
+    mismatch_frac: float | None
+    error: str | None
+    worker: str | None
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class TrialGroup:
+    """The candidates of one backend for one tuning key: what a sweep queues and claims."""
+
+    device_id: int
+    software_id: int
+    shape_key: str
+    backend: str
+    source_hash: str
+
+    def where(self, model: type[Trial] | type[Claim]) -> list[ColumnElement[bool]]:
+        return [getattr(model, k) == getattr(self, k) for k in _GROUP_KEY]
+
+
+@dataclass(frozen=True)
+class ClaimRow:
+    """A candidate queued (`pending`) or being measured (`running`) and not yet stored."""
+
+    config: dict[str, Any]
+    config_key: str
+    state: str
+    claimed_by: str | None
+    heartbeat_age_s: float | None
+
+
+@dataclass(frozen=True)
+class WinnerRow:
+    """The fastest correct config for a shape, with the device and stack it was tuned on,
+    so the dispatcher and reports need no further queries."""
+
+    id: int
+    device_id: int
+    software_id: int
+    device: DeviceFingerprint
+    device_read_bw_gbps: float | None
+    software: SoftwareFingerprint
+    shape_key: str
+    shape_json: dict[str, Any]
+    kv_format: str
+    backend: str
+    source_hash: str
+    config: dict[str, Any]
+    trial_id: int
+    median_us: float
+    updated_at: datetime
+
+
+def resolve_url(url: str | None = None) -> URL:
+    """`url`, else $MLA_TUNE_DB, else ./tuning.db; a bare path means a SQLite file."""
+    raw = url or os.environ.get(ENV_VAR) or DEFAULT_URL
+    if "://" not in raw:
+        return URL.create("sqlite", database=str(Path(raw).expanduser()))
+    try:
+        parsed = make_url(raw)
+    except ArgumentError as e:
+        raise DBError(f"bad database URL {raw!r}: {e}") from None
+    if parsed.drivername == "postgresql":  # psycopg 3 is the driver we ship with
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise DBError(f"unsupported database {parsed.get_backend_name()!r} in "
+                      f"{parsed.render_as_string()}; use sqlite:///PATH or "
+                      "postgresql+psycopg://USER:PASSWORD@HOST/DB")
+    return parsed
+
+
+def _check_sqlite_file(database: str | None) -> None:
+    """Refuse, without writing a byte, a path that is not a SQLite DB we can use."""
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    path = Path(database)
+    if path.is_dir():
+        raise DBError(f"{path} is a directory, not a SQLite database file; "
+                      f"pass a file path instead, e.g. {path / 'tuning.db'}")
+    if not path.exists():
+        parent = path.absolute().parent
+        if not parent.is_dir():
+            raise DBError(f"cannot create the tuning DB {path}: {parent} is not an existing "
+                          "directory; create it first or choose another path")
+        return
+    try:
+        with path.open("rb") as f:
+            header = f.read(len(SQLITE_HEADER))
+    except OSError as e:
+        raise DBError(f"cannot read the tuning DB {path}: {e.strerror or e}; fix its "
+                      "permissions or choose another path") from None
+    if header and header != SQLITE_HEADER:
+        raise DBError(f"{path} exists but is not a SQLite database (it starts with "
+                      f"{header!r}); it was left untouched. Choose another path, or move "
+                      "the file away if it is a damaged tuning DB")
+
+
+def _enable_wal(cur: sqlite3.Cursor) -> None:
+    """Switch to WAL, retrying: while another connection switches the same fresh file,
+    SQLite reports "database is locked" at once instead of waiting busy_timeout."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def _sqlite_on_connect(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+    # We emit BEGIN ourselves (see _sqlite_on_begin); pysqlite's implicit transactions
+    # would autocommit DDL and let migrations interleave.
+    dbapi_conn.isolation_level = None
+    cur = dbapi_conn.cursor()
+    try:
+        cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_S * 1000}")
+        _enable_wal(cur)
+        cur.execute("PRAGMA foreign_keys = ON")
+    finally:
+        cur.close()
+
+
+def _sqlite_on_begin(conn: Connection) -> None:
+    # Take the write lock up front: a deferred transaction that later writes can fail at
+    # once with "database is locked" under WAL, while IMMEDIATE waits busy_timeout.
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _lock_key(*parts: object) -> int:
+    """A signed 64-bit PostgreSQL advisory lock id for `parts`."""
+    digest = hashlib.sha256(json.dumps(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def _aware(dt: datetime) -> datetime:
+    """SQLite returns naive datetimes; all of ours are stored in UTC."""
+    return dt if dt.tzinfo is not None else dt.replace(tzinfo=timezone.utc)
+
+
+def _dumps(obj: Mapping[str, Any]) -> str:
+    return json.dumps(dict(obj), sort_keys=True, separators=(",", ":"))
+
+
+def _trial_row(t: Trial) -> TrialRow:
+    return TrialRow(
+        id=t.id, device_id=t.device_id, software_id=t.software_id, shape_key=t.shape_key,
+        shape_json=json.loads(t.shape_json), kv_format=t.kv_format, backend=t.backend,
+        source_hash=t.source_hash, config=json.loads(t.config_json), config_key=t.config_key,
+        status=t.status, median_us=t.median_us, mean_us=t.mean_us, std_us=t.std_us,
+        min_us=t.min_us, max_us=t.max_us, n=t.n, max_abs_err=t.max_abs_err,
+        mismatch_frac=t.mismatch_frac, error=t.error, worker=t.worker,
+        created_at=_aware(t.created_at),
+    )
+
+
+def _winner_row(w: Winner, d: Device, s: Software) -> WinnerRow:
+    return WinnerRow(
+        id=w.id, device_id=w.device_id, software_id=w.software_id,
+        device=DeviceFingerprint(vendor=d.vendor, name=d.name, arch=d.arch,
+                                 sm_count=d.sm_count, memory_bytes=d.memory_bytes),
+        device_read_bw_gbps=d.read_bw_gbps,
+        software=SoftwareFingerprint.from_json(json.loads(s.versions_json)),
+        shape_key=w.shape_key, shape_json=json.loads(w.shape_json), kv_format=w.kv_format,
+        backend=w.backend, source_hash=w.source_hash, config=json.loads(w.config_json),
+        trial_id=w.trial_id, median_us=w.median_us, updated_at=_aware(w.updated_at),
+    )
+
+
+class TuningStore:
+    """Tuning results in SQLite or PostgreSQL; the schema is migrated to head on open."""
+
+    def __init__(self, url: str | None = None) -> None:
+        self._url = resolve_url(url)
+        self._dialect = self._url.get_backend_name()
+        self._engine: Engine
+        if self._dialect == "sqlite":
+            _check_sqlite_file(self._url.database)
+            self._engine = create_engine(self._url)
+            event.listen(self._engine, "connect", _sqlite_on_connect)
+            event.listen(self._engine, "begin", _sqlite_on_begin)
+        else:
+            self._engine = create_engine(self._url, pool_pre_ping=True)
+        try:
+            self._migrate()
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    @property
+    def url(self) -> str:
+        """The database URL with any password masked, for messages and reports."""
+        return self._url.render_as_string(hide_password=True)
+
+    def close(self) -> None:
+        """Release pooled connections (and SQLite file handles)."""
+        self._engine.dispose()
+
+    def __enter__(self) -> "TuningStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _migrate(self) -> None:
+        """Upgrade our tables to head, one process at a time: the SQLite write lock or a
+        PostgreSQL advisory lock is held for the whole upgrade, so concurrent openers of a
+        fresh DB never race to create the same table."""
+        cfg = Config()
+        cfg.set_main_option("script_location", str(MIGRATIONS_DIR).replace("%", "%%"))
+        try:
+            with self._engine.begin() as conn:
+                if self._dialect == "postgresql":
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"),
+                                 {"k": _lock_key("mla-tune migrations")})
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, "head")
+        except CommandError as e:
+            raise DBError(f"cannot migrate the tuning DB {self.url}: {e}. It was probably "
+                          "written by a newer mla-tune; upgrade mla-tune or use another "
+                          "DB") from None
+        except OperationalError as e:
+            raise DBError(f"cannot open the tuning DB {self.url}: {e.orig or e}") from None
+
+    @contextmanager
+    def _session(self) -> Iterator[Session]:
+        with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            yield session
+
+    def _insert(self, model: type[Any]) -> Any:
+        dialect = sqlite if self._dialect == "sqlite" else postgresql
+        return dialect.insert(model)
+
+    def device_id(self, fp: DeviceFingerprint) -> int:
+        """Id of the device row for `fp`, created on first sight (safe under concurrency)."""
+        with self._session() as s:
+            s.execute(self._insert(Device).values(
+                hash=fp.hash, vendor=fp.vendor, name=fp.name, arch=fp.arch,
+                sm_count=fp.sm_count, memory_bytes=fp.memory_bytes, created_at=utcnow(),
+            ).on_conflict_do_nothing(index_elements=["hash"]))
+            return s.execute(select(Device.id).where(Device.hash == fp.hash)).scalar_one()
+
+    def software_id(self, fp: SoftwareFingerprint) -> int:
+        """Id of the software-stack row for `fp`, created on first sight."""
+        with self._session() as s:
+            s.execute(self._insert(Software).values(
+                hash=fp.hash, versions_json=_dumps(fp.to_json()),
+            ).on_conflict_do_nothing(index_elements=["hash"]))
+            return s.execute(select(Software.id).where(Software.hash == fp.hash)).scalar_one()
+
+    def devices(self) -> list[DeviceRow]:
+        """All devices, oldest first."""
+        with self._session() as s:
+            return [DeviceRow(id=d.id, hash=d.hash,
+                              fingerprint=DeviceFingerprint(d.vendor, d.name, d.arch,
+                                                            d.sm_count, d.memory_bytes),
+                              read_bw_gbps=d.read_bw_gbps, created_at=_aware(d.created_at))
+                    for d in s.scalars(select(Device).order_by(Device.id))]
+
+    def set_read_bandwidth(self, device_id: int, gbps: float) -> None:
+        """Store the measured streaming-read bandwidth, the roofline for reports."""
+        if not (math.isfinite(gbps) and gbps > 0):
+            raise ValueError(f"read bandwidth must be a positive number of GB/s, got {gbps}")
+        with self._session() as s:
+            result = s.execute(update(Device).where(Device.id == device_id)
+                               .values(read_bw_gbps=float(gbps)))
+            if result.rowcount == 0:
+                raise KeyError(f"no device with id {device_id}")
+
+    def record_trial(self, *, device_id: int, software_id: int, shape_key: str,
+                     shape_json: Mapping[str, Any], kv_format: str, backend: str,
+                     source_hash: str, config: Mapping[str, Any], status: str,
+                     stats: Mapping[str, float | int | None] | None = None,
+                     max_abs_err: float | None = None, mismatch_frac: float | None = None,
+                     error: str | None = None, worker: str | None = None) -> int:
+        """Store one trial and return its id. A trial with the same key (device, stack,
+        shape, backend, sources, config) is kept as it is and its id returned, so re-running
+        or two workers racing on one config never produce duplicates. The candidate's claim
+        (see `claim`) is released in the same transaction: a killed sweep leaves a candidate
+        either claimed or stored, never both or neither."""
+        if status not in TRIAL_STATUSES:
+            raise ValueError(f"status must be one of {TRIAL_STATUSES}, got {status!r}")
+        stats = dict(stats or {})
+        unknown = set(stats) - set(STAT_KEYS)
+        if unknown:
+            raise ValueError(f"unknown timing stat(s) {sorted(unknown)}; expected {STAT_KEYS}")
+        median = stats.get("median_us")
+        if status == "ok" and (median is None or not math.isfinite(median)):
+            raise ValueError(f"an 'ok' trial needs a finite median_us, got {median!r}")
+        key = {"device_id": device_id, "software_id": software_id, "shape_key": shape_key,
+               "backend": backend, "source_hash": source_hash,
+               "config_key": config_key(config)}
+        kv = kv_format.value if isinstance(kv_format, enum.Enum) else str(kv_format)
+        with self._session() as s:
+            s.execute(self._insert(Trial).values(
+                **key, shape_json=_dumps(shape_json), kv_format=kv, config_json=_dumps(config),
+                status=status, **{k: stats.get(k) for k in STAT_KEYS},
+                max_abs_err=max_abs_err, mismatch_frac=mismatch_frac, error=error,
+                worker=worker, created_at=utcnow(),
+            ).on_conflict_do_nothing(index_elements=list(_TRIAL_KEY)))
+            s.execute(delete(Claim).where(*(getattr(Claim, k) == v for k, v in key.items())))
+            where = [getattr(Trial, k) == v for k, v in key.items()]
+            return s.execute(select(Trial.id).where(*where)).scalar_one()
+
+    def _db_now(self) -> ColumnElement[float]:
+        """Seconds since the epoch by the database's clock: heartbeats written from several
+        machines are compared on one clock."""
+        if self._dialect == "postgresql":
+            return cast(extract("epoch", func.now()), Float)
+        return (func.julianday("now") - 2440587.5) * 86400.0
+
+    def _unmeasured(self) -> ColumnElement[bool]:
+        """Claims whose candidate has no trial yet."""
+        return ~exists().where(*(getattr(Trial, k) == getattr(Claim, k) for k in _TRIAL_KEY))
+
+    def enqueue(self, group: TrialGroup, configs: Iterable[Mapping[str, Any]]) -> None:
+        """Queue candidates of `group` for measurement, in order; measured or already
+        queued ones are left alone."""
+        rows = {config_key(c): _dumps(c) for c in configs}
+        with self._session() as s:
+            measured = set(s.scalars(select(Trial.config_key).where(*group.where(Trial))))
+            values = [{**{k: getattr(group, k) for k in _GROUP_KEY}, "config_key": k,
+                       "config_json": v, "state": "pending", "created_at": utcnow()}
+                      for k, v in rows.items() if k not in measured]
+            if values:
+                s.execute(self._insert(Claim)
+                          .on_conflict_do_nothing(index_elements=list(_TRIAL_KEY)), values)
+
+    def claim(self, group: TrialGroup, owner: str, *, stale_after_s: float,
+              dead_owners: Collection[str] = (),
+              config: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """Atomically take one unmeasured candidate of `group` for `owner`: the oldest
+        queued one, or one whose owner has not heartbeated for `stale_after_s` seconds or is
+        in `dead_owners`. With `config`, that config is queued if needed and only it may be
+        taken. Returns the config, or None when nothing is claimable.
+
+        PostgreSQL locks the row with FOR UPDATE SKIP LOCKED, so concurrent claimers take
+        different rows without waiting; SQLite's BEGIN IMMEDIATE serializes claimers."""
+        now = self._db_now()
+        claimable = [Claim.state == "pending", Claim.heartbeat_at < now - stale_after_s]
+        if dead_owners:
+            claimable.append(Claim.claimed_by.in_(sorted(dead_owners)))
+        query = (select(Claim.id, Claim.config_json)
+                 .where(*group.where(Claim), or_(*claimable), self._unmeasured())
+                 .order_by(Claim.id).limit(1).with_for_update(skip_locked=True, of=Claim))
+        with self._session() as s:
+            if config is not None:
+                key = config_key(config)
+                s.execute(self._insert(Claim).values(
+                    **{k: getattr(group, k) for k in _GROUP_KEY}, config_key=key,
+                    config_json=_dumps(config), state="pending", created_at=utcnow(),
+                ).on_conflict_do_nothing(index_elements=list(_TRIAL_KEY)))
+                query = query.where(Claim.config_key == key)
+            row = s.execute(query).first()
+            if row is None:
+                return None
+            s.execute(update(Claim).where(Claim.id == row.id)
+                      .values(state="running", claimed_by=owner, heartbeat_at=now))
+            return json.loads(row.config_json)
+
+    def heartbeat(self, owner: str) -> int:
+        """Mark `owner`'s running claims alive; returns how many it holds."""
+        with self._session() as s:
+            result = s.execute(update(Claim)
+                               .where(Claim.claimed_by == owner, Claim.state == "running")
+                               .values(heartbeat_at=self._db_now()))
+            return result.rowcount or 0
+
+    def release(self, owner: str) -> int:
+        """Put `owner`'s running claims back in the queue (a clean stop), so the next
+        sweep takes them at once instead of waiting for them to go stale."""
+        with self._session() as s:
+            result = s.execute(update(Claim)
+                               .where(Claim.claimed_by == owner, Claim.state == "running")
+                               .values(state="pending", claimed_by=None, heartbeat_at=None))
+            return result.rowcount or 0
+
+    def claims(self, group: TrialGroup) -> list[ClaimRow]:
+        """Queued and running candidates of `group` that are not measured yet, oldest
+        first."""
+        age = (self._db_now() - Claim.heartbeat_at).label("age")
+        with self._session() as s:
+            rows = s.execute(select(Claim, age)
+                             .where(*group.where(Claim), self._unmeasured())
+                             .order_by(Claim.id)).all()
+            return [ClaimRow(config=json.loads(c.config_json), config_key=c.config_key,
+                             state=c.state, claimed_by=c.claimed_by, heartbeat_age_s=a)
+                    for c, a in rows]
+
+    def measured(self, device_id: int, software_id: int, shape_key: str, backend: str,
+                 source_hash: str) -> dict[str, TrialRow]:
+        """Trials already stored for these sources, by config_key, so a resumed search
+        skips every config it has seen, whatever its outcome."""
+        rows = self.trials(device_id=device_id, software_id=software_id, shape_key=shape_key,
+                           backend=backend, source_hash=source_hash)
+        return {r.config_key: r for r in rows}
+
+    def trials(self, *, device_id: int | None = None, software_id: int | None = None,
+               shape_key: str | None = None, backend: str | None = None,
+               source_hash: str | None = None, status: str | None = None) -> list[TrialRow]:
+        """Trials matching every given filter, oldest first."""
+        filters = {"device_id": device_id, "software_id": software_id, "shape_key": shape_key,
+                   "backend": backend, "source_hash": source_hash, "status": status}
+        where = [getattr(Trial, k) == v for k, v in filters.items() if v is not None]
+        with self._session() as s:
+            return [_trial_row(t) for t in s.scalars(select(Trial).where(*where)
+                                                     .order_by(Trial.id))]
+
+    def update_winner(self, device_id: int, software_id: int, shape_key: str,
+                      current_sources: Mapping[str, str]) -> WinnerRow | None:
+        """Recompute the winner of a shape from its 'ok' trials and store it atomically.
+
+        `current_sources` maps every backend that may win to its current source hash;
+        trials of other backends or of stale sources are ignored. When none qualifies the
+        stored winner is removed (it would point at sources that no longer exist) and None
+        is returned. Ties go to the earlier trial.
+        """
+        where_key = [Winner.device_id == device_id, Winner.software_id == software_id,
+                     Winner.shape_key == shape_key]
+        with self._session() as s:
+            if self._dialect == "postgresql":  # SQLite's BEGIN IMMEDIATE already serializes
+                s.execute(text("SELECT pg_advisory_xact_lock(:k)"),
+                          {"k": _lock_key("winner", device_id, software_id, shape_key)})
+            best = None
+            if current_sources:
+                current: ColumnElement[bool] = or_(*(
+                    and_(Trial.backend == b, Trial.source_hash == h)
+                    for b, h in current_sources.items()))
+                best = s.scalars(
+                    select(Trial)
+                    .where(Trial.device_id == device_id, Trial.software_id == software_id,
+                           Trial.shape_key == shape_key, Trial.status == "ok",
+                           Trial.median_us.is_not(None), current)
+                    .order_by(Trial.median_us, Trial.id).limit(1)
+                ).first()
+            if best is None:
+                s.execute(delete(Winner).where(*where_key))
+                return None
+            values = {"shape_json": best.shape_json, "kv_format": best.kv_format,
+                      "backend": best.backend, "source_hash": best.source_hash,
+                      "config_json": best.config_json, "trial_id": best.id,
+                      "median_us": best.median_us, "updated_at": utcnow()}
+            s.execute(self._insert(Winner)
+                      .values(device_id=device_id, software_id=software_id,
+                              shape_key=shape_key, **values)
+                      .on_conflict_do_update(index_elements=list(_WINNER_KEY), set_=values))
+            return self._winners(s, where_key)[0]
+
+    def winners(self, device_hash: str | None = None, software_hash: str | None = None,
+                shape_key: str | None = None) -> list[WinnerRow]:
+        """Stored winners, optionally for one device, stack and/or shape."""
+        where: list[ColumnElement[bool]] = []
+        if device_hash is not None:
+            where.append(Device.hash == device_hash)
+        if software_hash is not None:
+            where.append(Software.hash == software_hash)
+        if shape_key is not None:
+            where.append(Winner.shape_key == shape_key)
+        with self._session() as s:
+            return self._winners(s, where)
+
+    @staticmethod
+    def _winners(s: Session, where: list[ColumnElement[bool]]) -> list[WinnerRow]:
+        rows = s.execute(
+            select(Winner, Device, Software)
+            .join(Device, Winner.device_id == Device.id)
+            .join(Software, Winner.software_id == Software.id)
+            .where(*where)
+            .order_by(Winner.device_id, Winner.software_id, Winner.shape_key)
+        ).all()
+        return [_winner_row(w, d, sw) for w, d, sw in rows]
+
+    def optuna_storage(self, heartbeat_s: int | None = None,
+                       grace_s: int | None = None) -> RDBStorage:
+        """An Optuna storage on this same database, so studies live next to the trials.
+
+        With `heartbeat_s`, trials a process asked for can be heartbeated, and those of a
+        process that died are failed after `grace_s` by `optuna.storages.fail_stale_trials`
+        instead of staying RUNNING forever (which would mislead TPE's constant liar)."""
+        import optuna
+
+        for attempt in range(1, _OPTUNA_OPEN_ATTEMPTS):
+            try:
+                return self._open_optuna(heartbeat_s, grace_s)
+            except (DBAPIError, optuna.exceptions.StorageInternalError):
+                time.sleep(0.2 * attempt)
+        return self._open_optuna(heartbeat_s, grace_s)
+
+    def _open_optuna(self, heartbeat_s: int | None, grace_s: int | None) -> RDBStorage:
+        import optuna
+
+        kwargs: dict[str, Any] = ({"connect_args": {"timeout": BUSY_TIMEOUT_S}}
+                                  if self._dialect == "sqlite" else {"pool_pre_ping": True})
+        with warnings.catch_warnings():  # heartbeat_interval is "experimental"
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.storages.RDBStorage(
+                self._url.render_as_string(hide_password=False), engine_kwargs=kwargs,
+                heartbeat_interval=heartbeat_s, grace_period=grace_s)

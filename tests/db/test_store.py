@@ -1,0 +1,374 @@
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import create_engine, inspect, make_url, text
+from sqlalchemy.exc import IntegrityError
+
+from mla_tune.db import DBError, TuningStore, resolve_url
+from mla_tune.db.models import VERSION_TABLE, Base, is_ours
+from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint
+
+REPO = Path(__file__).resolve().parents[2]
+PG_ENV = "MLA_TUNE_TEST_PG_URL"
+OUR_TABLES = {"mt_devices", "mt_software", "mt_trials", "mt_winners", "mt_claims",
+              VERSION_TABLE}
+
+GPU = DeviceFingerprint("nvidia", "NVIDIA H200", "sm_90", 132, 150 << 30)
+STACK = SoftwareFingerprint((("python", "3.11.7"), ("torch", "2.9.0"), ("triton", "3.5.0")))
+SHAPE = {"batch": 4, "kv_lens": 1024, "q_len": 1, "heads": 16, "kv_format": "bf16",
+         "page_size": 1}
+SHAPE_KEY = "b4-q1-kv1024-h16-bf16-p1"
+
+
+def _stats(median):
+    return {"median_us": median, "mean_us": median + 0.5, "std_us": 0.1,
+            "min_us": median - 0.2, "max_us": median + 1.0, "n": 50}
+
+
+@pytest.fixture
+def sqlite_url(tmp_path):
+    return f"sqlite:///{tmp_path / 'tuning.db'}"
+
+
+@pytest.fixture
+def pg_url():
+    """A fresh schema in the test PostgreSQL, dropped afterwards, so runs never collide."""
+    base = os.environ.get(PG_ENV)
+    if not base:
+        pytest.skip(f"set {PG_ENV} to run against PostgreSQL")
+    schema = f"mt_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(base)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    yield (make_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
+           .render_as_string(hide_password=False))
+    with admin.begin() as conn:
+        conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+    admin.dispose()
+
+
+@pytest.fixture(params=["sqlite_url", "pg_url"], ids=["sqlite", "postgresql"])
+def url(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture
+def store(url):
+    with TuningStore(url) as s:
+        yield s
+
+
+@pytest.fixture
+def ids(store):
+    return {"device_id": store.device_id(GPU), "software_id": store.software_id(STACK)}
+
+
+def _record(store, ids, config, status="ok", median=10.0, backend="triton", source="src1",
+            **kw):
+    stats = _stats(median) if status == "ok" else None
+    return store.record_trial(**ids, shape_key=SHAPE_KEY, shape_json=SHAPE, kv_format="bf16",
+                              backend=backend, source_hash=source, config=config,
+                              status=status, stats=stats, **kw)
+
+
+def _tables(url):
+    engine = create_engine(resolve_url(url))
+    try:
+        return set(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def test_migrates_an_empty_file(tmp_path):
+    path = tmp_path / "empty.db"
+    path.touch()
+    TuningStore(str(path)).close()
+    conn = sqlite3.connect(path)
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert tables == OUR_TABLES
+    assert conn.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchall() == [("0002",)]
+    assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+    conn.close()
+
+
+def test_models_match_migrations(store, url):
+    engine = create_engine(resolve_url(url))
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"include_name": is_ours,
+                                                     "version_table": VERSION_TABLE})
+        assert compare_metadata(ctx, Base.metadata) == []
+    engine.dispose()
+    assert OUR_TABLES <= _tables(url)
+
+
+def test_reopen_is_idempotent(url):
+    for _ in range(2):
+        TuningStore(url).close()
+    assert OUR_TABLES <= _tables(url)
+
+
+def test_fingerprint_rows_are_get_or_create(store):
+    d = store.device_id(GPU)
+    assert store.device_id(GPU) == d
+    assert store.software_id(STACK) == store.software_id(STACK)
+    other = DeviceFingerprint("amd", "MI355X", "gfx950", 256, 288 << 30)
+    assert store.device_id(other) != d
+    devices = store.devices()
+    assert [r.fingerprint for r in devices] == [GPU, other]
+    assert devices[0].hash == GPU.hash and devices[0].read_bw_gbps is None
+    store.set_read_bandwidth(d, 4300.5)
+    assert store.devices()[0].read_bw_gbps == 4300.5
+    with pytest.raises(KeyError):
+        store.set_read_bandwidth(12345, 1.0)
+
+
+def test_trial_round_trip(store, ids):
+    tid = _record(store, ids, {"BLOCK_N": 64, "num_warps": 4}, median=12.5, worker="h:gpu0",
+                  max_abs_err=1e-3, mismatch_frac=0.0)
+    _record(store, ids, {"BLOCK_N": 32, "num_warps": 4}, status="failed", error="OOM")
+    [row] = store.trials(status="ok")
+    assert row.id == tid
+    assert row.config == {"BLOCK_N": 64, "num_warps": 4}
+    assert row.config_key == '{"BLOCK_N":64,"num_warps":4}'
+    assert row.shape_json == SHAPE and row.shape_key == SHAPE_KEY
+    assert (row.median_us, row.mean_us, row.std_us, row.min_us, row.max_us, row.n) == (
+        12.5, 13.0, 0.1, 12.3, 13.5, 50)
+    assert (row.max_abs_err, row.mismatch_frac, row.worker) == (1e-3, 0.0, "h:gpu0")
+    assert row.created_at.tzinfo is not None
+    measured = store.measured(ids["device_id"], ids["software_id"], SHAPE_KEY, "triton", "src1")
+    assert set(measured) == {'{"BLOCK_N":32,"num_warps":4}', '{"BLOCK_N":64,"num_warps":4}'}
+    assert measured['{"BLOCK_N":32,"num_warps":4}'].error == "OOM"
+    assert store.measured(ids["device_id"], ids["software_id"], SHAPE_KEY, "triton",
+                          "src2") == {}
+    assert len(store.trials(backend="triton", shape_key=SHAPE_KEY)) == 2
+    assert store.trials(backend="flashinfer") == []
+
+
+def test_duplicate_trial_keeps_the_first(store, ids):
+    first = _record(store, ids, {"a": 1, "b": 2}, median=10.0)
+    before = store.trials()
+    again = _record(store, ids, {"b": 2, "a": 1}, status="failed", error="different")
+    assert again == first
+    assert store.trials() == before
+
+
+def test_trial_validation(store, ids):
+    with pytest.raises(ValueError, match="status"):
+        _record(store, ids, {"a": 1}, status="great")
+    with pytest.raises(ValueError, match="median_us"):
+        store.record_trial(**ids, shape_key=SHAPE_KEY, shape_json=SHAPE, kv_format="bf16",
+                           backend="t", source_hash="s", config={}, status="ok", stats=None)
+    with pytest.raises(ValueError, match="unknown timing"):
+        store.record_trial(**ids, shape_key=SHAPE_KEY, shape_json=SHAPE, kv_format="bf16",
+                           backend="t", source_hash="s", config={}, status="ok",
+                           stats={"median": 1.0})
+    with pytest.raises(IntegrityError):  # foreign keys are enforced
+        store.record_trial(device_id=999, software_id=ids["software_id"], shape_key=SHAPE_KEY,
+                           shape_json=SHAPE, kv_format="bf16", backend="t", source_hash="s",
+                           config={}, status="failed")
+    assert store.trials() == []
+
+
+def test_winner_is_fastest_current_ok_trial(store, ids):
+    d, s = ids["device_id"], ids["software_id"]
+    _record(store, ids, {"c": 1}, median=10.0)
+    _record(store, ids, {"c": 2}, status="wrong", max_abs_err=3.0)
+    _record(store, ids, {"c": 3}, status="failed", error="boom")
+    _record(store, ids, {"c": 4}, status="timeout")
+    _record(store, ids, {"c": 5}, median=1.0, source="stale")
+    _record(store, ids, {"c": 6}, median=2.0, backend="flashinfer", source="fi1")
+    fast = _record(store, ids, {"c": 7}, median=8.0)
+    current = {"triton": "src1"}
+
+    w = store.update_winner(d, s, SHAPE_KEY, current)
+    assert (w.trial_id, w.backend, w.config, w.median_us) == (fast, "triton", {"c": 7}, 8.0)
+    assert (w.device, w.software, w.shape_json, w.kv_format) == (GPU, STACK, SHAPE, "bf16")
+
+    w2 = store.update_winner(d, s, SHAPE_KEY, {**current, "flashinfer": "fi1"})
+    assert (w2.id, w2.backend, w2.source_hash, w2.median_us) == (w.id, "flashinfer", "fi1", 2.0)
+    assert store.winners() == [w2]
+
+    assert store.update_winner(d, s, SHAPE_KEY, {"triton": "src9"}) is None
+    assert store.winners() == []
+
+
+def test_winner_ties_go_to_the_earlier_trial(store, ids):
+    first = _record(store, ids, {"c": 1}, median=5.0)
+    _record(store, ids, {"c": 2}, median=5.0)
+    w = store.update_winner(ids["device_id"], ids["software_id"], SHAPE_KEY, {"triton": "src1"})
+    assert w.trial_id == first
+
+
+def test_winners_filters_and_carries_fingerprints(store, ids):
+    other_dev = DeviceFingerprint("amd", "MI355X", "gfx950", 256, 288 << 30)
+    other_ids = {"device_id": store.device_id(other_dev), "software_id": ids["software_id"]}
+    store.set_read_bandwidth(ids["device_id"], 4000.0)
+    for i in (ids, other_ids):
+        _record(store, i, {"c": 1})
+        store.update_winner(i["device_id"], i["software_id"], SHAPE_KEY, {"triton": "src1"})
+    assert len(store.winners()) == 2
+    [w] = store.winners(device_hash=GPU.hash)
+    assert w.device == GPU and w.device_read_bw_gbps == 4000.0
+    assert w.software.as_dict()["torch"] == "2.9.0"
+    assert [x.device for x in store.winners(device_hash=other_dev.hash,
+                                            software_hash=STACK.hash,
+                                            shape_key=SHAPE_KEY)] == [other_dev]
+    assert store.winners(software_hash="0" * 16) == []
+    assert store.winners(shape_key="nope") == []
+
+
+def test_optuna_study_shares_the_database(url):
+    optuna = pytest.importorskip("optuna")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with TuningStore(url) as store:
+        study = optuna.create_study(study_name="s1", storage=store.optuna_storage())
+        study.add_trial(optuna.trial.create_trial(params={"x": 1.0}, values=[3.0],
+                        distributions={"x": optuna.distributions.FloatDistribution(0, 2)}))
+    with TuningStore(url) as store:
+        ids = {"device_id": store.device_id(GPU), "software_id": store.software_id(STACK)}
+        _record(store, ids, {"c": 1})
+        loaded = optuna.load_study(study_name="s1", storage=store.optuna_storage())
+        assert loaded.best_value == 3.0
+    tables = _tables(url)
+    assert {"studies", "trials", "alembic_version"} <= tables and OUR_TABLES <= tables
+
+
+def test_store_opens_on_an_existing_optuna_db(tmp_path):
+    optuna = pytest.importorskip("optuna")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    optuna.create_study(study_name="first", storage=url)
+    with TuningStore(url) as store:
+        assert store.trials() == []
+        assert [s.study_name for s in optuna.get_all_study_summaries(store.optuna_storage())] \
+            == ["first"]
+
+
+def test_foreign_sqlite_db_gets_our_tables_alongside(tmp_path):
+    path = tmp_path / "other.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE notes (body TEXT)")
+    conn.execute("INSERT INTO notes VALUES ('keep me')")
+    conn.commit()
+    conn.close()
+    TuningStore(str(path)).close()
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT body FROM notes").fetchall() == [("keep me",)]
+    conn.close()
+    assert OUR_TABLES | {"notes"} == _tables(str(path))
+
+
+def test_non_sqlite_file_is_refused_untouched(tmp_path):
+    path = tmp_path / "x.db"
+    payload = b"these are my notes, not a database\n" * 100
+    path.write_bytes(payload)
+    with pytest.raises(DBError, match="not a SQLite database.*left untouched"):
+        TuningStore(str(path))
+    assert path.read_bytes() == payload
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.db"]
+
+
+def test_directory_path_is_refused(tmp_path):
+    with pytest.raises(DBError, match="is a directory"):
+        TuningStore(str(tmp_path))
+    with pytest.raises(DBError, match="is a directory"):
+        TuningStore(f"sqlite:///{tmp_path}")
+
+
+def test_path_below_a_file_is_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(DBError, match="not an existing directory"):
+        TuningStore(str(blocker / "tuning.db"))
+    assert blocker.read_text() == "x"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can read a mode-000 file")
+def test_unreadable_file_is_refused(tmp_path):
+    path = tmp_path / "locked.db"
+    path.write_bytes(b"")
+    path.chmod(0)
+    with pytest.raises(DBError, match="cannot read"):
+        TuningStore(str(path))
+
+
+def test_database_from_a_newer_version_is_refused(url):
+    TuningStore(url).close()
+    engine = create_engine(resolve_url(url))
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {VERSION_TABLE} SET version_num = '9999'"))
+    engine.dispose()
+    with pytest.raises(DBError, match="newer mla-tune"):
+        TuningStore(url)
+
+
+def test_url_resolution(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLA_TUNE_DB", raising=False)
+    assert resolve_url().render_as_string() == "sqlite:///tuning.db"
+    monkeypatch.setenv("MLA_TUNE_DB", str(tmp_path / "env.db"))
+    assert resolve_url().database == str(tmp_path / "env.db")
+    assert resolve_url("rel/path.db").database == "rel/path.db"
+    assert resolve_url("postgresql://u:p@h/db").drivername == "postgresql+psycopg"
+    with pytest.raises(DBError, match="unsupported database"):
+        resolve_url("mysql://u:p@h/db")
+
+
+def _open_and_record(url):
+    with TuningStore(url) as s:
+        d = s.device_id(DeviceFingerprint("cpu", "c", "x86_64", 8, 1 << 30))
+        sw = s.software_id(SoftwareFingerprint((("python", "3"),)))
+        return s.record_trial(device_id=d, software_id=sw, shape_key="k", shape_json={},
+                              kv_format="bf16", backend="b", source_hash="h",
+                              config={"c": 1}, status="ok", stats={"median_us": 1.0})
+
+
+def _assert_one_trial(url):
+    with TuningStore(url) as store:
+        assert len(store.trials()) == 1 and len(store.devices()) == 1
+
+
+def test_concurrent_first_open_threads(url):
+    start = threading.Barrier(4)
+
+    def worker():
+        start.wait()
+        return _open_and_record(url)
+
+    with ThreadPoolExecutor(4) as pool:
+        ids = [f.result() for f in [pool.submit(worker) for _ in range(4)]]
+    assert len(set(ids)) == 1
+    _assert_one_trial(url)
+
+
+_WORKER = """
+import sys, time
+from pathlib import Path
+from tests.db.test_store import _open_and_record
+print("ready", flush=True)
+while not Path(sys.argv[2]).exists():  # start line: both open the fresh DB at once
+    time.sleep(0.002)
+print(_open_and_record(sys.argv[1]))
+"""
+
+
+def test_concurrent_first_open_processes(sqlite_url, tmp_path):
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, sqlite_url, str(go)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()
+    go.touch()
+    results = [p.communicate(timeout=60) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in results]
+    assert {out.strip() for out, _ in results} == {"1"}
+    _assert_one_trial(sqlite_url)
