@@ -1,0 +1,498 @@
+"""MLA decode (absorbed form) as one Triton kernel family for NVIDIA sm_90 and AMD gfx950.
+
+One program handles BLOCK_M consecutive (query token, head) rows of one sequence and one
+KV split. Rows of a sequence are contiguous in `q` and in the output ((token, head) order),
+so a block of rows is a plain slice. Each KV tile of BLOCK_N tokens is read once in its
+stored format and feeds both products: keys use all 576 dims (512 "nope" + 64 "rope"),
+values the first 512 of the same rows.
+
+Formats (KV_FMT): bf16; fp8 e4m3 with a per-tensor scale; MXFP4 (E2M1 nibbles, element 2i
+in the low nibble, E8M0 scale byte per 32 elements, scale rows read with their own stride).
+Compute paths (COMPUTE): what operands reach the matrix units. bf16/fp16 convert the KV
+tile; fp8 quantizes each Q row to e4m3 (scale folded into the softmax scale) and P to e4m3
+(power-of-two scale folded into the normalizer), so e4m3 KV feeds the MMA unconverted.
+
+Split-KV: sequence b's keys are cut into at most `n_splits` chunks (multiples of BLOCK_N).
+Splits write a normalized partial output and its log2-sum-exp; a merge combines them,
+either in a second launch or (fast mode) in the last split program to finish, found with an
+atomic counter that the merging program resets for the next call.
+
+Causality: query j of a sequence with q_len queries and kv length L sees keys
+[0, L - q_len + j].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+FMT_BF16, FMT_FP8, FMT_MXFP4 = 0, 1, 2
+CMP_BF16, CMP_FP16, CMP_FP8 = 0, 1, 2
+FORMATS = {"bf16": FMT_BF16, "fp8": FMT_FP8, "mxfp4": FMT_MXFP4}
+COMPUTES = {"bf16": CMP_BF16, "fp16": CMP_FP16, "fp8": CMP_FP8}
+
+D_NOPE = tl.constexpr(512)
+D_ROPE = tl.constexpr(64)
+D_QK = tl.constexpr(576)
+LOG2E = 1.4426950408889634
+FP8_MAX = tl.constexpr(448.0)
+LAZY_TAU = tl.constexpr(8.0)
+"""Lazy rescaling skips the accumulator rescale until a row max grows by more than this
+(log2 units): probabilities then stay below 2**8, safe in bf16/fp16 and in e4m3."""
+
+
+@triton.jit
+def _decode_e2m1(packed, scale):
+    """E2M1 nibbles [R, NB, 16] uint8 with E8M0 scales [R, NB] -> bf16 [R, NB * 32].
+
+    The block scale is added to the exponent, so the bf16 value is exact (E2M1 has one
+    mantissa bit) and no multiply is needed. Byte i holds element 2i (low) and 2i+1 (high).
+    """
+    p = packed.to(tl.int32)
+    v = tl.join(p & 15, p >> 4)  # [R, NB, 16, 2]: element order 32*blk + 2*byte + nibble
+    s = scale.to(tl.int32)[:, :, None, None] - 1
+    mag = v & 7
+    # mag >= 2: exponent e2 + s - 1 and mantissa bit m -> bits (mag << 6) + (s - 1) << 7;
+    # mag == 1 (0.5): exponent s - 1, no mantissa; mag == 0: zero.
+    bits = tl.where(mag >= 2, (mag << 6) + (s << 7), tl.where(mag == 1, s << 7, 0))
+    bits = bits | ((v & 8) << 12)
+    out = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    R: tl.constexpr = packed.shape[0]
+    NB: tl.constexpr = packed.shape[1]
+    return tl.reshape(out, [R, NB * 32])
+
+
+@triton.jit
+def _load_kv_tile(KV, KV_SC, sc_stride, phys, n_ok,
+                  KV_FMT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One KV tile in its stored form: (nope [BLOCK_N, 512], rope [BLOCK_N, 64]).
+    bf16/fp8 come back as stored; MXFP4 comes back decoded to bf16."""
+    if KV_FMT == 2:
+        blk = tl.arange(0, 16)
+        byte = tl.arange(0, 16)
+        rblk = tl.arange(0, 2)
+        row = phys[:, None, None] * (D_QK // 2)
+        pn = tl.load(KV + row + blk[None, :, None] * 16 + byte[None, None, :],
+                     mask=n_ok[:, None, None], other=0)
+        pr = tl.load(KV + row + D_NOPE // 2 + rblk[None, :, None] * 16 + byte[None, None, :],
+                     mask=n_ok[:, None, None], other=0)
+        srow = phys[:, None] * sc_stride
+        sn = tl.load(KV_SC + srow + blk[None, :], mask=n_ok[:, None], other=0)
+        sr = tl.load(KV_SC + srow + 16 + rblk[None, :], mask=n_ok[:, None], other=0)
+        kn = _decode_e2m1(pn, sn)
+        kr = _decode_e2m1(pr, sr)
+    else:
+        row = phys[:, None] * D_QK
+        kn = tl.load(KV + row + tl.arange(0, D_NOPE)[None, :], mask=n_ok[:, None], other=0.0)
+        kr = tl.load(KV + row + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=n_ok[:, None],
+                     other=0.0)
+    return kn, kr
+
+
+@triton.jit
+def _mma_operand(x, COMPUTE: tl.constexpr, UPCAST: tl.constexpr):
+    """Cast a tile to the compute dtype; under the interpreter go on to float32 (its bf16
+    dot is broken), after the rounding the GPU path would do."""
+    if COMPUTE == 0:
+        x = x.to(tl.bfloat16)
+    elif COMPUTE == 1:
+        x = x.to(tl.float16)
+    elif UPCAST and not x.dtype.is_fp8():
+        x = _round_e4m3(x.to(tl.float32))
+    else:
+        x = x.to(tl.float8e4nv)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _round_e4m3(x):
+    """float32 -> nearest e4m3 value, subnormals included, kept in float32. The
+    interpreter's own fp8 cast mis-rounds values near and below 2**-6."""
+    a = tl.abs(x)
+    e = tl.maximum(tl.floor(tl.log2(tl.maximum(a, 1e-30))), -6.0)
+    step = tl.exp2(e - 3.0)
+    r = tl.minimum(tl.floor(a / step + 0.5) * step, FP8_MAX)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def _merge_splits(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows,
+                  BLOCK_M: tl.constexpr):
+    """Combine `n_act` normalized partials of rows `grow` by their log2-sum-exp."""
+    offs_d = tl.arange(0, D_NOPE)
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    wsum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_NOPE], tl.float32)
+    s = 0
+    while s < n_act:  # a while loop: the interpreter cannot range() over a loaded bound
+        prow = s * total_rows + grow
+        lse = tl.load(PART_LSE + prow, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(PART_O + prow[:, None] * D_NOPE + offs_d[None, :], mask=row_ok[:, None],
+                    other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        wsum = wsum * alpha + w
+        m = m_new
+        s += 1
+    wsum = tl.where(wsum > 0, wsum, 1.0)
+    out = acc / wsum[:, None]
+    tl.store(OUT + grow[:, None] * D_NOPE + offs_d[None, :], out.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+@triton.jit
+def _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N: tl.constexpr):
+    """(kv_start, L, chunk, active splits) of sequence b; splits are BLOCK_N multiples."""
+    kv_start = tl.load(KV_INDPTR + b)
+    L = tl.load(KV_INDPTR + b + 1) - kv_start
+    chunk = tl.cdiv(tl.cdiv(L, n_splits), BLOCK_N) * BLOCK_N
+    n_act = tl.cdiv(L, chunk)
+    return kv_start, L, chunk, n_act
+
+
+@triton.jit
+def _attend_tile(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
+                 qnT, qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain,
+                 KV_FMT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAGED: tl.constexpr, UPCAST: tl.constexpr):
+    """One KV tile [n0, n0 + BLOCK_N) of the online softmax; returns (m_i, l_i, acc)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hi
+    if PAGED:
+        # Table entries are the first physical row of each page (see identity_page_table).
+        ent = tl.load(PAGE_TBL + pg_start + (offs_n >> page_shift), mask=n_ok, other=0)
+        phys = (ent + (offs_n & ((1 << page_shift) - 1))).to(tl.int64)
+    else:
+        # Contiguous cache: no table load in the dependency chain of the tile load.
+        phys = (kv_start + offs_n).to(tl.int64)
+    kn, kr = _load_kv_tile(KV, KV_SC, sc_stride, phys, n_ok, KV_FMT, BLOCK_N)
+    kn = _mma_operand(kn, COMPUTE, UPCAST)
+    kr = _mma_operand(kr, COMPUTE, UPCAST)
+    # Transposed products (keys and value dims as the MMA's M side, query rows as N): the
+    # KV tile is the A operand straight from shared memory, and a handful of query rows
+    # only set N, so the accumulator stays small and Hopper can use wgmma.
+    s = tl.dot(kn, qnT)
+    s = tl.dot(kr, qrT, s)
+    s = s * row_scale[None, :]
+    valid = n_ok[:, None] & (offs_n[:, None] <= limit[None, :])
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    # Lazy rescaling: skip the accumulator rescale while no row max grew by > LAZY_TAU.
+    if (lazy == 0) | (tl.max(m_new - m_i, 0) > LAZY_TAU):
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[None, :]
+        l_i = l_i * alpha
+        m_i = m_new
+    p = tl.exp2(s - m_i[None, :])
+    l_i += tl.sum(p, 0)
+    if COMPUTE == 2:
+        p = p * p_gain
+    acc = tl.dot(tl.trans(kn), _mma_operand(p, COMPUTE, UPCAST), acc)
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["sc_stride", "page_shift", "total_rows", "n_splits", "fast"])
+def mla_decode_kernel(
+    Q, KV, KV_SCALE, KV_SC, sc_stride,
+    QO_INDPTR, KV_INDPTR, PAGE_TBL, PAGE_INDPTR, page_shift,
+    OUT, PART_O, PART_LSE, COUNTERS,
+    H, total_rows, n_splits, qk_scale, fast,
+    KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Grid (row blocks, splits, batch). See the module docstring for the scheme.
+    `fast` (runtime, so it costs no extra compile): lazy rescaling and the fused
+    last-program merge instead of a second launch."""
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(QO_INDPTR + b)
+    q_len = tl.load(QO_INDPTR + b + 1) - q_start
+    rows = q_len * H
+    r0 = pid_m * BLOCK_M
+    kv_start, L, chunk, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
+    if (r0 < rows) & (split < n_act):
+        offs_m = r0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < rows
+        grow = (q_start * H + offs_m).to(tl.int64)
+        offs_d = tl.arange(0, D_NOPE)
+        offs_r = tl.arange(0, D_ROPE)
+        qn = tl.load(Q + grow[:, None] * D_QK + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        qr = tl.load(Q + grow[:, None] * D_QK + D_NOPE + offs_r[None, :], mask=row_ok[:, None],
+                     other=0.0)
+        # Per-row factor taking raw dot products to log2-domain logits.
+        row_scale = tl.full([BLOCK_M], qk_scale, tl.float32)
+        if KV_FMT == 1:
+            kv_scale = tl.load(KV_SCALE)
+            row_scale = row_scale * kv_scale
+        if COMPUTE == 2:
+            amax = tl.maximum(tl.max(tl.abs(qn.to(tl.float32)), 1),
+                              tl.max(tl.abs(qr.to(tl.float32)), 1))
+            q_sc = tl.maximum(amax, 1e-12) / FP8_MAX
+            qn = qn.to(tl.float32) / q_sc[:, None]
+            qr = qr.to(tl.float32) / q_sc[:, None]
+            row_scale = row_scale * q_sc
+        qnT = tl.trans(_mma_operand(qn, COMPUTE, UPCAST))
+        qrT = tl.trans(_mma_operand(qr, COMPUTE, UPCAST))
+
+        # Causal limit per row (inclusive) and the key range this program must visit.
+        limit = L - q_len + offs_m // H
+        j_max = tl.minimum((r0 + BLOCK_M - 1) // H, q_len - 1)
+        lo = split * chunk
+        hi = tl.minimum(tl.minimum(lo + chunk, L), L - q_len + j_max + 1)
+        pg_start = 0
+        if PAGED:
+            pg_start = tl.load(PAGE_INDPTR + b)
+
+        # fp8 P: p <= 1 (<= 2**LAZY_TAU when lazy); a power-of-two gain uses e4m3's range.
+        p_gain = tl.where(fast != 0, 1.0, 256.0)
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([D_NOPE, BLOCK_M], tl.float32)
+        if UPCAST:
+            # The interpreter cannot take loaded scalars as range() bounds (numpy >= 2).
+            n0 = lo
+            while n0 < hi:
+                m_i, l_i, acc = _attend_tile(
+                    KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
+                    qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
+                    KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST)
+                n0 += BLOCK_N
+        else:
+            for n0 in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(
+                    KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
+                    qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
+                    KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST)
+
+        out_scale = tl.full([BLOCK_M], 1.0, tl.float32)
+        if KV_FMT == 1:
+            out_scale = out_scale * kv_scale
+        if COMPUTE == 2:
+            out_scale = out_scale / p_gain
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = tl.trans(acc * (out_scale / l_safe)[None, :])
+        if n_act == 1:
+            tl.store(OUT + grow[:, None] * D_NOPE + offs_d[None, :],
+                     o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            prow = split * total_rows + grow
+            tl.store(PART_O + prow[:, None] * D_NOPE + offs_d[None, :], o,
+                     mask=row_ok[:, None])
+            tl.store(PART_LSE + prow, m_i + tl.log2(l_i), mask=row_ok)
+            if fast != 0:
+                tl.debug_barrier()
+                cidx = b * tl.num_programs(0) + pid_m
+                done = tl.atomic_add(COUNTERS + cidx, 1, sem="acq_rel", scope="gpu")
+                if done == n_act - 1:
+                    _merge_splits(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows,
+                                  BLOCK_M)
+                    tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["total_rows", "n_splits"])
+def mla_merge_kernel(QO_INDPTR, KV_INDPTR, PART_O, PART_LSE, OUT, H, total_rows, n_splits,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Second-launch merge, grid (row blocks, batch); sequences with one split were
+    written directly by the split kernel."""
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    q_start = tl.load(QO_INDPTR + b)
+    rows = (tl.load(QO_INDPTR + b + 1) - q_start) * H
+    _, _, _, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
+    r0 = pid_m * BLOCK_M
+    if (r0 < rows) & (n_act > 1):
+        offs_m = r0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < rows
+        grow = (q_start * H + offs_m).to(tl.int64)
+        _merge_splits(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows, BLOCK_M)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Compile-time and launch knobs of one variant (see configs/backends/triton.toml)."""
+
+    kv_format: str = "bf16"
+    compute: str = "bf16"
+    block_m: int = 16
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    num_splits: int = 0
+    page_size: int = 1
+    fast_mode: bool = False
+
+    def constexprs(self, paged: bool, upcast: bool) -> dict[str, int | bool]:
+        """The constexpr arguments that define the compiled split kernel."""
+        return {
+            "KV_FMT": FORMATS[self.kv_format], "COMPUTE": COMPUTES[self.compute],
+            "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "PAGED": paged,
+            "UPCAST": upcast,
+        }
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (CPU tensors, slow, bf16 dot must be upcast)."""
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def auto_splits(batch: int, row_blocks: int, max_kv: int, block_n: int, num_sms: int) -> int:
+    """Split count giving about two waves of programs, within one split per KV tile."""
+    programs = max(1, batch * row_blocks)
+    want = max(1, (2 * num_sms + programs - 1) // programs)
+    return max(1, min(want, triton.cdiv(max_kv, block_n), 64))
+
+
+def identity_page_table(kv_lens: list[int], kv_starts: list[int],
+                        page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page table over a contiguous cache: entry k of sequence b is the first physical row
+    of its k-th page (kv_start_b + k * page_size), so unaligned sequence starts work."""
+    entries: list[int] = []
+    indptr = [0]
+    for L, start in zip(kv_lens, kv_starts):
+        n = -(-L // page_size)
+        entries.extend(start + k * page_size for k in range(n))
+        indptr.append(len(entries))
+    return (torch.tensor(entries or [0], dtype=torch.int32),
+            torch.tensor(indptr, dtype=torch.int32))
+
+
+class MlaDecodeLauncher:
+    """One built variant: buffers, page table and compiled kernels prepared once, so a call
+    is only the kernel launch(es).
+
+    The returned output tensor is owned by the launcher and overwritten by the next call
+    (allocating it per call would add to every timed call)."""
+
+    def __init__(self, cfg: KernelConfig, *, heads: int, q_len: int, kv_lens: list[int],
+                 device: torch.device | str, sm_scale: float = 1.0 / math.sqrt(576),
+                 page_table: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        device = torch.device(device)
+        self.cfg = cfg
+        self.heads = heads
+        self.batch = len(kv_lens)
+        self.total_q = self.batch * q_len
+        self.total_rows = self.total_q * heads
+        self.row_blocks = triton.cdiv(q_len * heads, cfg.block_m)
+        self.upcast = interpreting()
+        num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                   if device.type == "cuda" else 8)
+        self.n_splits = cfg.num_splits or auto_splits(self.batch, self.row_blocks,
+                                                      max(kv_lens), cfg.block_n, num_sms)
+        page_size = max(cfg.page_size, 1)
+        if page_size & (page_size - 1):
+            raise ValueError(f"page size must be a power of two, got {page_size}")
+        self.paged = page_table is not None or page_size > 1
+        if page_table is None:
+            kv_starts = [sum(kv_lens[:i]) for i in range(self.batch)]
+            page_table = identity_page_table(kv_lens, kv_starts, page_size)
+        self.page_shift = page_size.bit_length() - 1
+        self.page_tbl = page_table[0].to(device)
+        self.page_indptr = page_table[1].to(device)
+        self.out = torch.empty((self.total_q, heads, D_NOPE), dtype=torch.bfloat16,
+                               device=device)
+        parts = self.n_splits if self.n_splits > 1 else 1
+        self.part_o = torch.empty((parts, self.total_rows if parts > 1 else 1, D_NOPE),
+                                  dtype=torch.float32, device=device)
+        self.part_lse = torch.empty((parts, self.total_rows), dtype=torch.float32,
+                                    device=device)
+        self.counters = torch.zeros(self.batch * self.row_blocks, dtype=torch.int32,
+                                    device=device)
+        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)
+        self.dummy_u8 = torch.zeros(1, dtype=torch.uint8, device=device)
+        self.grid = (self.row_blocks, self.n_splits, self.batch)
+        self.merge_grid = (self.row_blocks, self.batch, 1)
+        self.qk_scale = float(sm_scale) * LOG2E
+        self.constexprs = cfg.constexprs(self.paged, self.upcast)
+        self.separate_merge = self.n_splits > 1 and not cfg.fast_mode
+        self.device = device
+        self._raw: tuple | None = None
+        self.hooks_bypassed = False
+
+    def _args(self, q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor,
+              kv_sc: torch.Tensor, sc_stride: int, qo_indptr: torch.Tensor,
+              kv_indptr: torch.Tensor) -> tuple[tuple, tuple]:
+        split_args = (q, kv, kv_scale, kv_sc, sc_stride, qo_indptr, kv_indptr, self.page_tbl,
+                      self.page_indptr, self.page_shift, self.out,
+                      self.part_o, self.part_lse, self.counters, self.heads, self.total_rows, self.n_splits, self.qk_scale,
+                      int(self.cfg.fast_mode))
+        merge_args = (qo_indptr, kv_indptr, self.part_o, self.part_lse, self.out, self.heads,
+                      self.total_rows, self.n_splits)
+        return split_args, merge_args
+
+    def _launch_jit(self, split_args: tuple, merge_args: tuple, warmup: bool = False) -> tuple:
+        c = self.cfg
+        opts = dict(num_warps=c.num_warps, num_stages=c.num_stages)
+        if warmup:
+            k1 = mla_decode_kernel.warmup(*split_args, **self.constexprs, **opts, grid=self.grid)
+        else:
+            k1 = mla_decode_kernel[self.grid](*split_args, **self.constexprs, **opts)
+        k2 = None
+        if self.separate_merge:
+            mopts = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=4, num_stages=1)
+            if warmup:
+                k2 = mla_merge_kernel.warmup(*merge_args, **mopts, grid=self.merge_grid)
+            else:
+                k2 = mla_merge_kernel[self.merge_grid](*merge_args, **mopts)
+        return k1, k2
+
+    def prepare(self, sc_stride: int = 0) -> None:
+        """Compile both kernels now (not on the first timed call) and keep their raw
+        launchers, so calls skip Triton's per-call argument binding and cache lookup.
+        Pointer arguments are given as dtypes; `sc_stride` is the MXFP4 scale row stride."""
+        if self.upcast:
+            return
+        from triton import knobs
+        from triton.runtime import driver
+
+        kv_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
+                    "mxfp4": torch.uint8}[self.cfg.kv_format]
+        split_args, merge_args = self._args(torch.bfloat16, kv_dtype, torch.float32,
+                                            torch.uint8, sc_stride, torch.int32, torch.int32)
+        k1, k2 = self._launch_jit(split_args, merge_args, warmup=True)
+        # Launch hooks (profilers; torch may install one) are not called on this path: with
+        # them, Triton's own path cost ~27 us of host time per call on the H200 machine.
+        self.hooks_bypassed = knobs.runtime.launch_enter_hook is not None
+        self._stream = driver.active.get_current_stream
+        self._dev_index = driver.active.get_current_device()
+        k1.run  # noqa: B018 - loads the module and creates the launcher
+        self._raw = (k1.run, k1.function, k1.packed_metadata, tuple(self.constexprs.values()),
+                     None if k2 is None else (k2.run, k2.function, k2.packed_metadata,
+                                              (self.cfg.block_m, self.cfg.block_n)))
+        if k2 is not None:
+            k2.run  # noqa: B018
+
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
+                 kv_sc: torch.Tensor | None, qo_indptr: torch.Tensor,
+                 kv_indptr: torch.Tensor) -> torch.Tensor:
+        """Run the variant. `kv` is the stored cache: (N, 1, 576) bf16 or fp8, or (N, 1, 288)
+        uint8 for MXFP4; `kv_scale` the fp8 scale (1,); `kv_sc` the MXFP4 scale rows."""
+        if kv_sc is None:
+            kv_sc, sc_stride = self.dummy_u8, 0
+        else:
+            sc_stride = kv_sc.stride(0)
+        split_args, merge_args = self._args(q, kv, self.dummy_f32 if kv_scale is None
+                                            else kv_scale, kv_sc, sc_stride, qo_indptr,
+                                            kv_indptr)
+        raw = self._raw
+        if raw is None:
+            self._launch_jit(split_args, merge_args)
+            return self.out
+        run, fn, md, cx, merge = raw
+        stream = self._stream(self._dev_index)
+        g = self.grid
+        run(g[0], g[1], g[2], stream, fn, md, None, None, None, *split_args, *cx)
+        if merge is not None:
+            run2, fn2, md2, cx2 = merge
+            g = self.merge_grid
+            run2(g[0], g[1], g[2], stream, fn2, md2, None, None, None, *merge_args, *cx2)
+        return self.out

@@ -1,0 +1,75 @@
+"""Registry of kernel families. Backends are imported lazily so a missing library
+(FlashInfer, aiter) never breaks importing mla_tune."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from mla_tune.backends.base import Availability, Backend, KernelFn
+
+_REGISTRY: dict[str, str] = {
+    "torch": "mla_tune.backends.torch_family:TorchFamily",
+    "flashinfer": "mla_tune.backends.flashinfer_backend:FlashInferBackend",
+    "aiter": "mla_tune.backends.aiter_backend:AiterBackend",
+    "triton": "mla_tune.backends.triton_family:TritonFamily",
+}
+
+_instances: dict[str, Backend] = {}
+
+
+class UnknownBackendError(ValueError):
+    pass
+
+
+def register(name: str, target: str) -> None:
+    """Register a backend class by import path `module:Class` (used by tests and plugins)."""
+    _REGISTRY[name] = target
+    _instances.pop(name, None)
+
+
+def backend_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_backend(name: str) -> Backend:
+    if name not in _REGISTRY:
+        raise UnknownBackendError(
+            f"unknown backend {name!r}; known backends: {', '.join(_REGISTRY)}")
+    if name not in _instances:
+        module, cls = _REGISTRY[name].split(":")
+        _instances[name] = getattr(importlib.import_module(module), cls)()
+    return _instances[name]
+
+
+def source_hashes() -> dict[str, str]:
+    """Kernel-source hash of every backend that can be loaded here: trials and winners of
+    other sources (edited or removed kernels) are never reused."""
+    hashes: dict[str, str] = {}
+    for name in _REGISTRY:
+        try:
+            hashes[name] = get_backend(name).source_hash()
+        except Exception:  # noqa: BLE001 - an unloadable backend has no current source
+            continue
+    return hashes
+
+
+EXTRA_BACKENDS_ENV = "MLA_TUNE_EXTRA_BACKENDS"
+
+
+def _register_from_env() -> None:
+    """Register backends named in $MLA_TUNE_EXTRA_BACKENDS (`name=module:Class,...`), so a
+    plugin or test backend reaches a CLI run and its worker processes."""
+    for item in os.environ.get(EXTRA_BACKENDS_ENV, "").split(","):
+        name, _, target = item.strip().partition("=")
+        if not item.strip():
+            continue
+        if not name or ":" not in target:
+            raise ValueError(f"{EXTRA_BACKENDS_ENV}: expected name=module:Class, got {item!r}")
+        register(name.strip(), target.strip())
+
+
+_register_from_env()
+
+__all__ = ["Availability", "Backend", "KernelFn", "UnknownBackendError", "backend_names",
+           "get_backend", "register", "source_hashes"]
