@@ -1,7 +1,25 @@
 """mla-tune: autotune MLA decode kernels, keep the winners, dispatch to them."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from mla_tune.problem import KVFormat, Shape, generate_input, parse_shape
+
+if TYPE_CHECKING:
+    from mla_tune.dispatch import Dispatcher
 
 __version__ = "0.1.0"
 
-__all__ = ["KVFormat", "Shape", "__version__", "generate_input", "parse_shape"]
+__all__ = ["Dispatcher", "KVFormat", "Shape", "__version__", "generate_input", "parse_shape"]
+
+# Loaded on first use, so `import mla_tune` stays cheap for code that never dispatches.
+_LAZY = {"Dispatcher": "mla_tune.dispatch"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'mla_tune' has no attribute {name!r}")

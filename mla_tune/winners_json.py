@@ -1,0 +1,306 @@
+"""The winners file: tuned winners as a versioned JSON document, so a wheel, a leaderboard
+submission or another machine can carry its routing table without SQLite.
+
+    {"format": "mla-tune-winners", "version": 1, "winners": [
+      {"device": {vendor, name, arch, sm_count, memory_bytes},
+       "software": {"python": "3.11.7", "torch": "2.13.0", ...},
+       "shape": {batch, kv_lens, q_len, heads, kv_format, page_size},
+       "shape_key": "b4-q1-kv1024-h16-bf16-p1",
+       "backend": "torch", "source_hash": "0123456789abcdef",
+       "config": {"num_splits": 4, ...}, "median_us": 41.2}, ...]}
+
+A winners file is data, never code: it is parsed with `json` alone and every field is
+checked for type and range before anything else sees it (unknown keys, duplicate keys,
+NaN/Infinity, oversized files and inconsistent shape keys are all refused). Whether a
+config is a point of its backend's space is checked later, by whoever builds it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mla_tune.fingerprint import VENDORS, DeviceFingerprint, SoftwareFingerprint
+from mla_tune.problem import KVFormat, Shape, ShapeError
+
+if TYPE_CHECKING:
+    from mla_tune.db import TuningStore, WinnerRow
+
+FORMAT = "mla-tune-winners"
+VERSION = 1
+MAX_FILE_BYTES = 64 * 2**20
+MAX_ENTRIES = 100_000
+MAX_CONFIG_PARAMS = 64
+MAX_TEXT = 256
+MAX_BATCH = 1 << 20
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_HASH_RE = re.compile(r"[0-9a-f]{1,64}")
+_DOC_KEYS = {"format", "version", "winners"}
+_ENTRY_KEYS = {"device", "software", "shape", "shape_key", "backend", "source_hash", "config",
+               "median_us"}
+_DEVICE_KEYS = {"vendor", "name", "arch", "sm_count", "memory_bytes"}
+_SHAPE_KEYS = {"batch", "kv_lens", "q_len", "heads", "kv_format", "page_size"}
+
+
+class WinnersFileError(ValueError):
+    """A winners document that is not exactly what this module writes; the message names
+    the offending field."""
+
+
+@dataclass(frozen=True)
+class WinnerRecord:
+    """One tuned winner, independent of any database: what the dispatcher loads."""
+
+    device: DeviceFingerprint
+    software: SoftwareFingerprint
+    shape: Shape
+    backend: str
+    source_hash: str
+    config: dict[str, int | float | str | bool]
+    median_us: float
+
+    @classmethod
+    def from_row(cls, row: WinnerRow) -> "WinnerRecord":
+        """A record from a DB winner row; the shape goes through the same strict parser as a
+        file's, so a DB and a file are held to one standard."""
+        return _parse_entry({
+            "device": row.device.to_json(), "software": row.software.to_json(),
+            "shape": row.shape_json, "shape_key": row.shape_key, "backend": row.backend,
+            "source_hash": row.source_hash, "config": row.config,
+            "median_us": row.median_us}, "winner")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device": self.device.to_json(), "software": self.software.to_json(),
+                "shape": self.shape.to_json(), "shape_key": self.shape.key,
+                "backend": self.backend, "source_hash": self.source_hash,
+                "config": dict(self.config), "median_us": self.median_us}
+
+
+def _fail(where: str, message: str) -> WinnersFileError:
+    return WinnersFileError(f"{where}: {message}")
+
+
+def _obj(value: Any, where: str, keys: set[str] | None = None) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _fail(where, f"expected an object, got {type(value).__name__}")
+    if keys is not None and set(value) != keys:
+        extra, missing = sorted(set(value) - keys), sorted(keys - set(value))
+        raise _fail(where, f"unexpected keys {extra}" if extra else f"missing keys {missing}")
+    return value
+
+
+def _int(value: Any, where: str, lo: int, hi: int) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise _fail(where, f"expected an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _text(value: Any, where: str, pattern: re.Pattern[str] | None = None) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TEXT:
+        raise _fail(where, f"expected a non-empty string of at most {MAX_TEXT} characters")
+    if pattern is not None and not pattern.fullmatch(value):
+        raise _fail(where, f"{value!r} does not match {pattern.pattern}")
+    return value
+
+
+def _device(value: Any, where: str) -> DeviceFingerprint:
+    d = _obj(value, where, _DEVICE_KEYS)
+    vendor = _text(d["vendor"], f"{where}.vendor")
+    if vendor not in VENDORS:
+        raise _fail(f"{where}.vendor", f"expected one of {list(VENDORS)}, got {vendor!r}")
+    return DeviceFingerprint(vendor=vendor, name=_text(d["name"], f"{where}.name"),
+                             arch=_text(d["arch"], f"{where}.arch"),
+                             sm_count=_int(d["sm_count"], f"{where}.sm_count", 1, 1 << 20),
+                             memory_bytes=_int(d["memory_bytes"], f"{where}.memory_bytes",
+                                               0, 1 << 60))
+
+
+def _software(value: Any, where: str) -> SoftwareFingerprint:
+    d = _obj(value, where)
+    if not 0 < len(d) <= MAX_CONFIG_PARAMS:
+        raise _fail(where, f"expected 1 to {MAX_CONFIG_PARAMS} packages, got {len(d)}")
+    for k, v in d.items():
+        _text(k, f"{where} key", _NAME_RE)
+        _text(v, f"{where}.{k}")
+    return SoftwareFingerprint(tuple(d.items()))
+
+
+def _shape(value: Any, where: str) -> Shape:
+    d = _obj(value, where, _SHAPE_KEYS)
+    batch = _int(d["batch"], f"{where}.batch", 1, MAX_BATCH)
+    kv = d["kv_lens"]
+    if isinstance(kv, list):
+        if len(kv) != batch:
+            raise _fail(f"{where}.kv_lens", f"{len(kv)} lengths for batch {batch}")
+        kv_lens = tuple(_int(x, f"{where}.kv_lens[{i}]", 1, 1 << 30) for i, x in enumerate(kv))
+    else:
+        kv_lens = (_int(kv, f"{where}.kv_lens", 1, 1 << 30),) * batch
+    fmt = _text(d["kv_format"], f"{where}.kv_format")
+    try:
+        return Shape(batch, kv_lens, q_len=_int(d["q_len"], f"{where}.q_len", 1, 64),
+                     heads=_int(d["heads"], f"{where}.heads", 1, 4096),
+                     kv_format=KVFormat.parse(fmt),
+                     page_size=_int(d["page_size"], f"{where}.page_size", 1, 1 << 20))
+    except (ShapeError, ValueError) as e:
+        raise _fail(where, str(e)) from None
+
+
+def _config(value: Any, where: str) -> dict[str, int | float | str | bool]:
+    d = _obj(value, where)
+    if len(d) > MAX_CONFIG_PARAMS:
+        raise _fail(where, f"more than {MAX_CONFIG_PARAMS} parameters")
+    for k, v in d.items():
+        _text(k, f"{where} key", _NAME_RE)
+        if isinstance(v, str):
+            _text(v, f"{where}.{k}")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise _fail(f"{where}.{k}", f"not a finite number: {v!r}")
+        elif not isinstance(v, (bool, int, float)):
+            raise _fail(f"{where}.{k}", f"expected a scalar, got {type(v).__name__}")
+    return dict(d)
+
+
+def _parse_entry(value: Any, where: str) -> WinnerRecord:
+    e = _obj(value, where, _ENTRY_KEYS)
+    shape = _shape(e["shape"], f"{where}.shape")
+    key = _text(e["shape_key"], f"{where}.shape_key")
+    if key != shape.key:
+        raise _fail(f"{where}.shape_key", f"{key!r} does not match its shape ({shape.key!r})")
+    median = e["median_us"]
+    if isinstance(median, bool) or not isinstance(median, (int, float)) \
+            or not (math.isfinite(median) and median > 0):
+        raise _fail(f"{where}.median_us", f"expected a positive number, got {median!r}")
+    return WinnerRecord(device=_device(e["device"], f"{where}.device"),
+                        software=_software(e["software"], f"{where}.software"), shape=shape,
+                        backend=_text(e["backend"], f"{where}.backend", _NAME_RE),
+                        source_hash=_text(e["source_hash"], f"{where}.source_hash", _HASH_RE),
+                        config=_config(e["config"], f"{where}.config"),
+                        median_us=float(median))
+
+
+def parse_winners(doc: Any) -> list[WinnerRecord]:
+    """Validate a decoded winners document and return its records, in file order."""
+    d = _obj(doc, "document", _DOC_KEYS)
+    if d["format"] != FORMAT:
+        raise _fail("format", f"expected {FORMAT!r}, got {d['format']!r}")
+    if d["version"] != VERSION or type(d["version"]) is not int:
+        raise _fail("version", f"this mla-tune reads version {VERSION}, got {d['version']!r}")
+    entries = d["winners"]
+    if not isinstance(entries, list) or len(entries) > MAX_ENTRIES:
+        raise _fail("winners", f"expected a list of at most {MAX_ENTRIES} entries")
+    records, seen = [], set()
+    for i, entry in enumerate(entries):
+        r = _parse_entry(entry, f"winners[{i}]")
+        key = (r.device.hash, r.software.hash, r.shape.key)
+        if key in seen:
+            raise _fail(f"winners[{i}]", f"a second winner for {r.shape.key} on the same "
+                        "device and software stack")
+        seen.add(key)
+        records.append(r)
+    return records
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise WinnersFileError(f"duplicate key {k!r} in an object")
+        out[k] = v
+    return out
+
+
+def _no_constants(name: str) -> Any:
+    raise WinnersFileError(f"{name} is not allowed in a winners file")
+
+
+def load_winners_json(path: str | os.PathLike[str]) -> list[WinnerRecord]:
+    """Read and strictly validate a winners file. Raises OSError if it cannot be read and
+    WinnersFileError if it is not a valid version-1 winners document."""
+    p = Path(path)
+    size = p.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise WinnersFileError(f"{p} is {size} bytes, over the {MAX_FILE_BYTES}-byte limit")
+    raw = p.read_bytes()
+    try:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
+                         parse_constant=_no_constants)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WinnersFileError(f"{p} is not JSON: {e}") from None
+    return parse_winners(doc)
+
+
+def winners_document(records: list[WinnerRecord]) -> dict[str, Any]:
+    """The version-1 document for `records` (what `export_winners` writes)."""
+    return {"format": FORMAT, "version": VERSION, "winners": [r.to_json() for r in records]}
+
+
+def write_winners_json(records: list[WinnerRecord], path: str | os.PathLike[str]) -> None:
+    """Write `records` atomically: a reader never sees a half-written file."""
+    p = Path(path)
+    text = json.dumps(winners_document(records), indent=1, sort_keys=True, allow_nan=False)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.absolute().parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def export_winners(store: TuningStore, path: str | os.PathLike[str],
+                   device_hash: str | None = None) -> int:
+    """Write the store's winners (all devices, or the one with `device_hash`) to `path`;
+    returns how many were written."""
+    records = [WinnerRecord.from_row(r) for r in store.winners(device_hash=device_hash)]
+    write_winners_json(records, path)
+    return len(records)
+
+
+@dataclass(frozen=True)
+class ImportSummary:
+    """What `import_winners` did: entries stored as trials, entries now the winner of their
+    shape, and `not_current` entries, stored but unable to win because their backend is
+    unknown here or their kernel sources differ from the installed ones (the sweep's rule)."""
+
+    trials: int
+    won: int
+    not_current: int
+
+
+def import_winners(store: TuningStore, path: str | os.PathLike[str]) -> ImportSummary:
+    """Store each winner of a file as an 'ok' trial under its own device and stack, then
+    recompute those shapes' winners, so an imported winner competes with local trials
+    instead of overwriting them. Re-importing the same file changes nothing."""
+    from mla_tune.backends import backend_names, get_backend
+
+    records = load_winners_json(path)
+    sources = {n: get_backend(n).source_hash() for n in backend_names()}
+    worker = f"import:{Path(path).name}"[:MAX_TEXT]
+    current: dict[tuple[int, int, str], list[WinnerRecord]] = {}
+    stale = 0
+    for r in records:
+        device_id, software_id = store.device_id(r.device), store.software_id(r.software)
+        store.record_trial(device_id=device_id, software_id=software_id,
+                           shape_key=r.shape.key, shape_json=r.shape.to_json(),
+                           kv_format=r.shape.kv_format.value, backend=r.backend,
+                           source_hash=r.source_hash, config=r.config, status="ok",
+                           stats={"median_us": r.median_us}, worker=worker)
+        if sources.get(r.backend) != r.source_hash:
+            stale += 1
+            continue
+        current.setdefault((device_id, software_id, r.shape.key), []).append(r)
+    won = 0
+    for (device_id, software_id, shape_key), mine in sorted(current.items()):
+        w = store.update_winner(device_id, software_id, shape_key, sources)
+        won += sum(w is not None and (w.backend, w.config) == (r.backend, r.config)
+                   for r in mine)
+    return ImportSummary(trials=len(records), won=won, not_current=stale)
+

@@ -1,0 +1,415 @@
+"""The dispatcher on CPU, against tuning DBs built by the real sweep (torch family)."""
+
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import mla_tune.backends as backends
+import mla_tune.dispatch as dispatch
+from mla_tune.backends import get_backend, register
+from mla_tune.backends.base import Availability, Backend
+from mla_tune.backends.torch_family import TorchFamily
+from mla_tune.cli import app
+from mla_tune.db import TuningStore
+from mla_tune.dispatch import Dispatcher, occupancy_splits
+from mla_tune.fingerprint import (
+    DeviceFingerprint,
+    SoftwareFingerprint,
+    current_device,
+    current_software,
+)
+from mla_tune.problem import Shape, generate_input
+from mla_tune.reference import mla_decode_reference
+from mla_tune.space import ParamSpace
+from mla_tune.verify import Tolerance, check
+from tests.fixtures.sweep_db import swept_db
+
+runner = CliRunner()
+GATE = Tolerance(rtol=2e-2, atol=2e-2, max_mismatch_frac=1e-3)
+TUNED = [Shape.uniform(2, 64), Shape.uniform(4, 256), Shape.uniform(4, 256, kv_format="fp8")]
+H200 = DeviceFingerprint("nvidia", "NVIDIA H200", "sm_90", 132, 150 << 30)
+
+
+@pytest.fixture(scope="module")
+def tuned_db(tmp_path_factory):
+    """A real tuning DB: the torch family swept on CPU over TUNED."""
+    path = tmp_path_factory.mktemp("dispatch") / "tuning.db"
+    swept_db(path, TUNED).close()
+    return path
+
+
+@pytest.fixture()
+def disp(tuned_db):
+    """Pinned to bf16: which format is fastest depends on CPU timings."""
+    return Dispatcher.from_db(str(tuned_db), "cpu", kv_format="bf16")
+
+
+def assert_matches_reference(out, data, kv_format="bf16"):
+    result = check(out, mla_decode_reference(*data, kv_format=kv_format), GATE)
+    assert result.ok, result.reason
+
+
+def stored_winner(db, shape):
+    with TuningStore(str(db)) as store:
+        (w,) = store.winners(shape_key=shape.key)
+    return w
+
+
+def test_exact_hit_runs_the_stored_winner(disp, tuned_db):
+    shape = TUNED[1]
+    d = disp.decide(shape)
+    w = stored_winner(tuned_db, shape)
+    assert (d.reason, d.backend, d.config, d.tuned_us) == ("exact", "torch", w.config,
+                                                           w.median_us)
+    data = generate_input(shape)
+    assert_matches_reference(disp.run(data), data)
+    assert_matches_reference(disp(*data), data)
+    assert list(disp._routes) == [(4, 1, 256, 16)]
+
+
+def test_nearest_shape_fallback_logs_once_per_key(disp, tuned_db, caplog):
+    caplog.set_level(logging.INFO, logger="mla_tune.dispatch")
+    for shape, near in ((Shape.uniform(4, 512), TUNED[1]), (Shape.uniform(2, 128), TUNED[0])):
+        d = disp.decide(shape)
+        assert d.reason == "nearest" and d.tuned_shape == near
+        assert d.config == stored_winner(tuned_db, near).config
+    data = generate_input(Shape.uniform(4, 512))
+    for _ in range(3):
+        assert_matches_reference(disp.run(data), data)
+    assert sum("[nearest]" in r.message for r in caplog.records) == 1
+
+
+def test_heuristic_fallback_for_untuned_heads(disp, caplog):
+    shape = Shape.uniform(2, 64, heads=32)
+    d = disp.decide(shape)
+    assert d.reason == "heuristic" and d.backend == "torch"
+    data = generate_input(shape)
+    for _ in range(2):
+        assert_matches_reference(disp.run(data), data)
+    assert sum("[heuristic]" in r.message for r in caplog.records) == 1
+
+
+class BrokenBackend(Backend):
+    """Declares a space like a real family but cannot build anything."""
+
+    name = "broken"
+
+    def available(self, device):
+        return Availability(True)
+
+    def declared_space(self, device):
+        return ParamSpace.from_mapping({"num_splits": [1, 2]})
+
+    def build(self, shape, config, device):
+        raise RuntimeError("broken variant does not compile")
+
+    def source_files(self):
+        return [Path(__file__)]
+
+
+def test_variant_that_fails_to_build_falls_through_to_torch(disp, monkeypatch, caplog):
+    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))  # undone after
+    monkeypatch.setattr(backends, "_instances", dict(backends._instances))
+    register("broken", "tests.test_dispatch:BrokenBackend")
+    monkeypatch.setattr(dispatch, "HEURISTIC_BACKENDS", ("broken",))
+    shape = Shape.uniform(3, 64, heads=32)
+    assert [d.reason for d in disp.decisions(shape)] == ["heuristic", "fallback"]
+    data = generate_input(shape)
+    assert_matches_reference(disp.run(data), data)
+    assert any("does not compile" in r.message for r in caplog.records)
+    assert any("[fallback]" in r.message for r in caplog.records)
+
+
+def test_occupancy_model_matches_seed_split_model():
+    def seed(batch, kv, cu=256, overhead=84.1, max_splits=16):  # seed 000's formula
+        best_score, best = -1.0, 1
+        for i in range(1, max_splits + 1):
+            total = batch * i
+            waves = (total + cu - 1) // cu
+            score = total / (waves * cu) * kv / (kv + overhead * i)
+            if score > best_score:
+                best_score, best = score, i
+        return best
+
+    for batch in (4, 32, 64, 256):
+        for kv in (1024, 8192):
+            assert occupancy_splits(batch, 16, kv, 256, min_split_tokens=0) == seed(batch, kv)
+    assert occupancy_splits(256, 16, 8192, 132) == 1
+    assert occupancy_splits(4, 16, 8192, 132) > 8
+    assert occupancy_splits(4, 16, 40, 132) == 1
+
+
+def _record_winner(store, device, software, shape, source_hash=None, config=None):
+    torch_family = get_backend("torch")
+    source = source_hash or torch_family.source_hash()
+    config = config or {"num_splits": 4, "chunk_size": 0, "compute_dtype": "float32"}
+    dev_id, sw_id = store.device_id(device), store.software_id(software)
+    store.record_trial(device_id=dev_id, software_id=sw_id, shape_key=shape.key,
+                       shape_json=shape.to_json(), kv_format=shape.kv_format.value,
+                       backend="torch", source_hash=source, config=config, status="ok",
+                       stats={"median_us": 10.0})
+    assert store.update_winner(dev_id, sw_id, shape.key, {"torch": source}) is not None
+
+
+def test_foreign_device_and_stale_sources_are_ignored(tmp_path):
+    db = tmp_path / "foreign.db"
+    shape = Shape.uniform(4, 256)
+    with TuningStore(str(db)) as store:
+        _record_winner(store, H200, current_software(), shape)
+        _record_winner(store, current_device("cpu"), current_software(), shape,
+                       source_hash="00000000deadbeef")
+    d = Dispatcher.from_db(str(db), "cpu")
+    assert d.loaded == 0
+    assert d.ignored == {"tuned on another device": 1, "kernel sources changed since tuning": 1}
+    assert d.decide(shape).reason == "heuristic"
+    data = generate_input(shape)
+    assert_matches_reference(d.run(data), data)
+
+
+def test_other_library_versions_warn_once_or_are_ignored_when_strict(tmp_path, caplog):
+    db = tmp_path / "stack.db"
+    old = dict(current_software().as_dict(), torch="1.0.0")
+    with TuningStore(str(db)) as store:
+        for shape in (Shape.uniform(4, 256), Shape.uniform(2, 64)):
+            _record_winner(store, current_device("cpu"),
+                           SoftwareFingerprint(tuple(old.items())), shape)
+    d = Dispatcher.from_db(str(db), "cpu")
+    assert d.loaded == 2
+    assert d.decide(Shape.uniform(4, 256)).reason == "exact"
+    assert sum("other versions" in r.message for r in caplog.records) == 1
+    strict = Dispatcher.from_db(str(db), "cpu", strict=True)
+    assert strict.loaded == 0
+    assert strict.ignored == {"tuned under other library versions (strict)": 2}
+
+
+def test_exact_stack_beats_other_stack_for_the_same_shape(tmp_path):
+    db = tmp_path / "two.db"
+    shape = Shape.uniform(4, 256)
+    other = dict(current_software().as_dict(), triton="0.1")
+    with TuningStore(str(db)) as store:
+        _record_winner(store, current_device("cpu"), SoftwareFingerprint(tuple(other.items())),
+                       shape, config={"num_splits": 1, "chunk_size": 0,
+                                      "compute_dtype": "float32"})
+        _record_winner(store, current_device("cpu"), current_software(), shape)
+    assert Dispatcher.from_db(str(db), "cpu").decide(shape).config["num_splits"] == 4
+
+
+@pytest.mark.parametrize("content", [b"this is not a database at all",
+                                     b"SQLite format 3\x00" + b"\xff" * 3000])
+def test_corrupt_db_is_a_warning_and_left_untouched(tmp_path, caplog, content):
+    db = tmp_path / "bad.db"
+    db.write_bytes(content)
+    d = Dispatcher.from_db(str(db), "cpu")
+    assert d.loaded == 0 and any("unusable" in r.message for r in caplog.records)
+    data = generate_input(Shape.uniform(2, 64))
+    assert_matches_reference(d.run(data), data)
+    assert db.read_bytes() == content
+
+
+def test_missing_db_is_a_warning_and_not_created(tmp_path, caplog, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLA_TUNE_DB", raising=False)
+    for where in (str(tmp_path / "nowhere.db"), None):
+        d = Dispatcher.from_db(where, "cpu")
+        assert d.loaded == 0
+    assert not list(tmp_path.iterdir())
+    assert sum("no tuning DB file" in r.message for r in caplog.records) == 2
+
+
+def test_forced_override(tuned_db, monkeypatch):
+    monkeypatch.setenv("MLA_TUNE_FORCE", "torch:num_splits=4, compute_dtype=BFloat16")
+    d = Dispatcher.from_db(str(tuned_db), "cpu", kv_format="bf16")
+    shape = TUNED[0]
+    forced = d.decide(shape)
+    assert forced.reason == "forced"
+    assert forced.config == {"num_splits": 4, "chunk_size": 0, "compute_dtype": "bfloat16"}
+    data = generate_input(shape)
+    assert_matches_reference(d.run(data), data)
+    # Not feasible for 40 keys (4 splits of 10): routed as usual.
+    assert d.decide(Shape.uniform(2, 40)).reason == "nearest"
+
+
+@pytest.mark.parametrize("spec, message", [("nope:x=1", "unknown backend"),
+                                           ("torch:num_splits=3", "not one of"),
+                                           ("torch:bogus=1", "unknown parameter"),
+                                           ("torch:num_splits", "key=value")])
+def test_bad_force_is_refused(monkeypatch, spec, message):
+    monkeypatch.setenv("MLA_TUNE_FORCE", spec)
+    with pytest.raises(ValueError, match=message):
+        Dispatcher(device="cpu")
+
+
+def test_trace_prints_each_decision_once_per_key(tuned_db, monkeypatch, capfd):
+    monkeypatch.setenv("MLA_TUNE_TRACE", "1")
+    d = Dispatcher.from_db(str(tuned_db), "cpu", kv_format="bf16")
+    capfd.readouterr()
+    a, b = generate_input(TUNED[0]), generate_input(Shape.uniform(2, 96))
+    for data in (a, a, b, b, a):
+        d.run(data)
+    lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("mla-tune route:")]
+    assert len(lines) == 2
+    assert "[exact]" in lines[0] and TUNED[0].key in lines[0] and "[nearest]" in lines[1]
+
+
+def _mutations():
+    def q_dtype(d):
+        return (d[0].float(),) + d[1:]
+
+    def q_heads(d):
+        return (d[0][:, :8].contiguous(),) + d[1:]
+
+    def q_strided(d):
+        return (d[0].transpose(0, 1).contiguous().transpose(0, 1),) + d[1:]
+
+    def q_device(d):
+        return (d[0].to("meta"),) + d[1:]
+
+    def kv_rows(d):
+        return (d[0], dict(d[1], bf16=d[1]["bf16"][:-1]), *d[2:])
+
+    def qo_len(d):
+        return (d[0], d[1], d[2][:-1], *d[3:])
+
+    def kvp_dtype(d):
+        return (*d[:3], d[3].long(), d[4])
+
+    def cfg_missing(d):
+        return (*d[:4], {k: v for k, v in d[4].items() if k != "batch_size"})
+
+    def not_a_tuple(d):
+        return list(d[:4])
+
+    return [(q_dtype, "q has dtype"), (q_heads, "q has shape"),
+            (q_strided, "q must be contiguous"), (q_device, "q is on meta"),
+            (kv_rows, r"kv_data\['bf16'\] has shape"),
+            (qo_len, "qo_indptr has 2 elements; expected 3"),
+            (kvp_dtype, "kv_indptr has dtype"), (cfg_missing, r"config\['batch_size'\]"),
+            (not_a_tuple, "data must be")]
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["first-call", "cached"])
+@pytest.mark.parametrize("mutate, message", _mutations(), ids=lambda x: getattr(x, "__name__", ""))
+def test_bad_inputs_raise_value_error_naming_the_argument(mutate, message, warm):
+    d = Dispatcher(device="cpu", kv_format="bf16")
+    data = generate_input(Shape.uniform(2, 64))
+    if warm:
+        d.run(data)
+    with pytest.raises(ValueError, match=message):
+        d.run(mutate(data))
+
+
+def test_unchecked_dispatcher_still_validates_each_first_call():
+    d = Dispatcher(device="cpu", kv_format="bf16", check_inputs=False)
+    data = generate_input(Shape.uniform(2, 64))
+    with pytest.raises(ValueError, match="kv_indptr has dtype"):
+        d.run((*data[:3], data[3].long(), data[4]))
+    assert_matches_reference(d.run(data), data)
+    assert_matches_reference(d.run(data), data)
+
+
+def test_config_is_checked_on_a_shape_first_call():
+    data = generate_input(Shape.uniform(2, 64))
+    with pytest.raises(ValueError, match=r"config\['qk_head_dim'\] is 128"):
+        Dispatcher(device="cpu").run((*data[:4], dict(data[4], qk_head_dim=128)))
+
+
+@pytest.mark.parametrize("fmt, mutate, message", [
+    ("fp8", lambda e: (e[0], e[1].double()), r"kv_data\['fp8'\]\[1\] has dtype"),
+    ("fp8", lambda e: (e[0].view(torch.uint8), e[1]), r"kv_data\['fp8'\]\[0\] has dtype"),
+    ("mxfp4", lambda e: (e[0], e[1][:, :8]), r"kv_data\['mxfp4'\]\[1\] has shape"),
+    ("mxfp4", lambda e: e[0], "must be a \\(values, scale\\) pair"),
+])
+def test_bad_quantized_caches_are_refused(fmt, mutate, message):
+    d = Dispatcher(device="cpu", kv_format=fmt)
+    data = generate_input(Shape.uniform(2, 64))
+    assert_matches_reference(d.run(data), data, fmt)
+    bad = (data[0], dict(data[1], **{fmt: mutate(data[1][fmt])}), *data[2:])
+    with pytest.raises(ValueError, match=message):
+        d.run(bad)
+
+
+def test_format_policy_fastest_tuned_pinned_and_missing(tuned_db):
+    d = Dispatcher.from_db(str(tuned_db), "cpu")
+    shape = TUNED[1]
+    times = {f: stored_winner(tuned_db, shape.with_format(f)).median_us for f in ("bf16", "fp8")}
+    fastest = min(times, key=times.get)
+    # mxfp4 has no tuned data, so it ranks after both tuned formats; an exact winner
+    # (bf16 at 2x64) beats an estimate from a nearest shape (fp8 at 4x256).
+    assert d.choose_format(shape, ["bf16", "fp8", "mxfp4"]).value == fastest
+    assert d.choose_format(shape, ["mxfp4", "fp8"]).value == "fp8"
+    assert d.choose_format(Shape.uniform(2, 64), ["mxfp4", "fp8", "bf16"]).value == "bf16"
+    assert d.choose_format(Shape.uniform(2, 64), ["mxfp4", "fp8"]).value == "fp8"
+    assert d.choose_format(Shape.uniform(2, 64, heads=32), ["mxfp4", "fp8"]).value == "fp8"
+    data = generate_input(shape)
+    assert_matches_reference(d.run(data), data, fastest)
+    other = "fp8" if fastest == "bf16" else "bf16"
+    only_other = (data[0], {other: data[1][other]}, *data[2:])
+    assert_matches_reference(d.run(only_other), only_other, other)
+    pinned = Dispatcher.from_db(str(tuned_db), "cpu", kv_format="mxfp4")
+    assert_matches_reference(pinned.run(data), data, "mxfp4")
+    with pytest.raises(ValueError, match="lacks 'mxfp4'"):
+        pinned.run(only_other)
+
+
+def test_ragged_calls_use_nearest_uniform_variant_built_for_their_lengths(disp):
+    shape = Shape(2, (40, 64))
+    data = generate_input(shape)
+    assert data[4]["kv_seq_len"] == 64
+    d = disp.decide(shape)
+    assert d.reason == "nearest" and d.tuned_shape == TUNED[0]
+    assert_matches_reference(disp.run(data, kv_lens=[40, 64]), data)
+    assert_matches_reference(disp(*data, kv_lens=(40, 64)), data)
+    assert len(disp._ragged) == 1
+    uniform = generate_input(TUNED[0])
+    assert_matches_reference(disp.run(uniform, kv_lens=[64, 64]), uniform)
+    with pytest.raises(ValueError, match="kv_lens has 3 lengths"):
+        disp.run(data, kv_lens=[40, 64, 1])
+    with pytest.raises(ValueError, match="exceeds config kv_seq_len"):
+        disp.run(data, kv_lens=[40, 65])
+
+
+def test_routing_is_deterministic_and_building_is_once_per_key(tuned_db, monkeypatch):
+    shapes = [Shape.uniform(b, kv, heads=h) for b in (1, 3, 8) for kv in (32, 200, 900)
+              for h in (16, 32)]
+    a, b = Dispatcher.from_db(str(tuned_db), "cpu"), Dispatcher.from_db(str(tuned_db), "cpu")
+    assert [a.decisions(s) for s in shapes] == [b.decisions(s) for s in shapes]
+
+    builds = []
+    real_build = TorchFamily.build
+
+    def counting_build(self, *args):
+        builds.append(args[0].key)
+        return real_build(self, *args)
+
+    monkeypatch.setattr(TorchFamily, "build", counting_build)
+    data = generate_input(Shape.uniform(3, 200))
+    outs = []
+    threads = [threading.Thread(target=lambda: outs.append(a.run(data))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outs) == 6 and builds == [Shape.uniform(3, 200).key]
+
+
+def test_route_command_says_what_runs_and_why(tuned_db, tmp_path):
+    r = runner.invoke(app, ["route", "--shape", "4x256", "--kv-format", "bf16", "--db",
+                            str(tuned_db), "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    w = stored_winner(tuned_db, TUNED[1])
+    assert "3 tuned shape(s)" in r.stdout and "why: exact" in r.stdout
+    assert f"num_splits={w.config['num_splits']}" in r.stdout
+    r = runner.invoke(app, ["route", "--shape", "3x100", "--heads", "32", "--db",
+                            str(tuned_db), "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.count("why: heuristic") == 3 and "runs bf16" in r.stdout
+    empty = tmp_path / "none.json"
+    r = runner.invoke(app, ["route", "--shape", "2x64", "--winners", str(empty),
+                            "--device", "cpu"])
+    assert r.exit_code == 0 and "0 tuned shape(s)" in r.stdout and not empty.exists()
+    r = runner.invoke(app, ["route", "--shape", "2x", "--db", str(tuned_db)])
+    assert r.exit_code == 2 and "bad shape" in r.output

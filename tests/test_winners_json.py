@@ -1,0 +1,174 @@
+"""Winners files: export from a real swept DB, strict loading, import, and the dispatcher
+reading a file exactly as it reads the DB."""
+
+import json
+import logging
+
+import pytest
+
+from mla_tune.db import TuningStore
+from mla_tune.dispatch import Dispatcher
+from mla_tune.fingerprint import current_device
+from mla_tune.problem import Shape, generate_input
+from mla_tune.winners_json import (
+    WinnerRecord,
+    WinnersFileError,
+    export_winners,
+    import_winners,
+    load_winners_json,
+    parse_winners,
+)
+from tests.fixtures.sweep_db import swept_db
+
+# The same shapes as test_dispatch.py: the sweep fixture runs once per test process.
+SHAPES = [Shape.uniform(2, 64), Shape.uniform(4, 256), Shape.uniform(4, 256, kv_format="fp8")]
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """A real swept DB (torch family on CPU) and its export."""
+    root = tmp_path_factory.mktemp("winners")
+    db, path = root / "tuning.db", root / "winners.json"
+    with swept_db(db, SHAPES) as store:
+        assert export_winners(store, path) == 3
+    return db, path
+
+
+def test_round_trip_db_to_file_to_records(tuned):
+    db, path = tuned
+    doc = json.loads(path.read_text())
+    assert (doc["format"], doc["version"], len(doc["winners"])) == ("mla-tune-winners", 1, 3)
+    records = load_winners_json(path)
+    with TuningStore(str(db)) as store:
+        rows = store.winners()
+    assert records == [WinnerRecord.from_row(r) for r in rows]
+    assert parse_winners(json.loads(json.dumps(doc))) == records
+    here = current_device("cpu").hash
+    with TuningStore(str(db)) as store:
+        assert export_winners(store, path.with_name("mine.json"), device_hash=here) == 3
+        assert export_winners(store, path.with_name("none.json"), device_hash="0" * 16) == 0
+    assert load_winners_json(path.with_name("none.json")) == []
+
+
+def test_dispatcher_from_file_routes_like_from_db(tuned):
+    db, path = tuned
+    a, b = Dispatcher.from_db(str(db), "cpu"), Dispatcher.from_json(path, "cpu")
+    shapes = [s.with_format(f) for s in (Shape.uniform(2, 64), Shape.uniform(8, 512),
+                                         Shape.uniform(4, 128, heads=32))
+              for f in ("bf16", "fp8", "mxfp4")]
+    assert [a.decisions(s) for s in shapes] == [b.decisions(s) for s in shapes]
+    assert b.decide(SHAPES[0]).reason == "exact" and b.loaded == 3
+
+
+def test_import_into_an_empty_db_reproduces_the_winners_and_is_idempotent(tuned, tmp_path):
+    db, path = tuned
+    target = tmp_path / "imported.db"
+    with TuningStore(str(target)) as store:
+        summary = import_winners(store, path)
+        assert (summary.trials, summary.won, summary.not_current) == (3, 3, 0)
+        n_trials = len(store.trials())
+        again = import_winners(store, path)
+        assert again.trials == 3 and len(store.trials()) == n_trials
+        imported = store.winners()
+    with TuningStore(str(db)) as store:
+        original = store.winners()
+    assert [WinnerRecord.from_row(r) for r in imported] == \
+        [WinnerRecord.from_row(r) for r in original]
+
+
+def test_imported_winner_of_stale_sources_is_kept_as_data_but_cannot_win(tuned, tmp_path):
+    _, path = tuned
+    doc = json.loads(path.read_text())
+    doc["winners"][0]["source_hash"] = "00000000deadbeef"
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps(doc))
+    with TuningStore(str(tmp_path / "s.db")) as store:
+        summary = import_winners(store, stale)
+        assert (summary.trials, summary.won, summary.not_current) == (3, 2, 1)
+        assert len(store.trials()) == 3 and len(store.winners()) == 2
+
+
+def _corrupt(doc, how):
+    w = doc["winners"][0]
+    if how == "extra top-level key":
+        doc["run"] = "rm -rf /"
+    elif how == "wrong format":
+        doc["format"] = "something-else"
+    elif how == "future version":
+        doc["version"] = 2
+    elif how == "shape key mismatch":
+        w["shape_key"] = "b9-q1-kv9-h16-bf16-p1"
+    elif how == "nested config value":
+        w["config"]["num_splits"] = {"__import__": "os"}
+    elif how == "bool batch":
+        w["shape"]["batch"] = True
+    elif how == "negative sm_count":
+        w["device"]["sm_count"] = -1
+    elif how == "missing backend":
+        del w["backend"]
+    elif how == "backend with path characters":
+        w["backend"] = "../../evil"
+    elif how == "zero median":
+        w["median_us"] = 0
+    elif how == "duplicate entry":
+        doc["winners"].append(dict(w))
+    elif how == "kv_lens of wrong length":
+        w["shape"]["kv_lens"] = [64, 64, 64]
+    return doc
+
+
+CORRUPTIONS = ["extra top-level key", "wrong format", "future version", "shape key mismatch",
+               "nested config value", "bool batch", "negative sm_count", "missing backend",
+               "backend with path characters", "zero median", "duplicate entry",
+               "kv_lens of wrong length"]
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_strict_validation_refuses_and_dispatcher_warns(tuned, tmp_path, how, caplog):
+    _, path = tuned
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_corrupt(json.loads(path.read_text()), how)))
+    with pytest.raises(WinnersFileError):
+        load_winners_json(bad)
+    d = Dispatcher.from_json(bad, "cpu")
+    assert d.loaded == 0 and any("unusable" in r.message for r in caplog.records)
+    assert d.decide(SHAPES[0]).reason == "heuristic"
+
+
+@pytest.mark.parametrize("text", ["", "not json", '{"format": "mla-tune-winners", '
+                                  '"version": 1, "winners": [], "winners": []}',
+                                  '{"format": "mla-tune-winners", "version": 1, '
+                                  '"winners": [{"median_us": NaN}]}', "[]", "\xff\xfe"])
+def test_malformed_text_is_refused(tmp_path, text):
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(text.encode("utf-8", "surrogateescape") if text != "\xff\xfe"
+                    else b"\xff\xfe")
+    with pytest.raises(WinnersFileError):
+        load_winners_json(bad)
+
+
+def test_missing_file_is_a_warning(tmp_path, caplog):
+    d = Dispatcher.from_json(tmp_path / "absent.json", "cpu")
+    assert d.loaded == 0 and any("unusable" in r.message for r in caplog.records)
+    data = generate_input(Shape.uniform(2, 64))
+    assert d.run(data).shape == (2, 16, 512)
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("backend", "nonexistent", "backend unknown or unavailable"),
+    ("config", {"num_splits": 3, "chunk_size": 0, "compute_dtype": "float32"},
+     "config outside its backend's space"),
+    ("config", {"num_splits": 1}, "config outside its backend's space"),
+])
+def test_entries_the_dispatcher_cannot_use_are_skipped_with_a_warning(tuned, tmp_path, field,
+                                                                      value, why, caplog):
+    caplog.set_level(logging.WARNING)
+    _, path = tuned
+    doc = json.loads(path.read_text())
+    doc["winners"][0][field] = value
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps(doc))
+    load_winners_json(odd)  # a well-formed file: the dispatcher decides what it can use
+    d = Dispatcher.from_json(odd, "cpu")
+    assert d.loaded == 2 and d.ignored == {why: 1}
+    assert any("skipping winner" in r.message for r in caplog.records)
