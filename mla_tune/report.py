@@ -1,17 +1,96 @@
-"""What was tuned, how fast, and how close to the hardware limit: rows built from the DB."""
+"""What was tuned, how fast, and how close to the hardware limit: rows built from the DB.
+
+Everything here is computed from stored trials only (no kernel is imported or run), so a
+report can be made on any machine from a copied DB file.
+"""
 
 from __future__ import annotations
 
+import json
 import math
-from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from mla_tune.db import TrialRow, TuningStore, WinnerRow
-from mla_tune.problem import Shape
+from mla_tune.problem import KVFormat, Shape
 
 LIBRARY_BACKENDS = ("flashinfer", "aiter")
+ALL_FORMATS = "all"
+# Two-sided 95% Student-t quantiles for 1-9 degrees of freedom; from 10 on the
+# Cornish-Fisher expansion in `t95` is within 1e-5 (relative) of the exact value.
+_T95_SMALL = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 6: 2.4469, 7: 2.3646,
+              8: 2.306, 9: 2.2622}
+
+
+def t95(dof: int) -> float:
+    """Two-sided 95% Student-t quantile: timing runs have few samples (the timer stops at a
+    target error), so the normal 1.96 would understate the interval."""
+    if dof < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {dof}")
+    if dof in _T95_SMALL:
+        return _T95_SMALL[dof]
+    z = statistics.NormalDist().inv_cdf(0.975)
+    v = float(dof)
+    return (z + (z**3 + z) / (4 * v) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * v**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * v**3)
+            + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * v**4))
+
+
+def ci95_halfwidth(std_us: float | None, n: int | None) -> float | None:
+    """Half-width of the 95% confidence interval of the mean time, from std and n."""
+    if std_us is None or n is None or n < 2:
+        return None
+    return t95(n - 1) * std_us / math.sqrt(n)
+
+
+def _knob_order(value: Any) -> tuple[int, float, str]:
+    """Numbers first in numeric order, then everything else by its text."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (0, float(value), "")
+    return (1, 0.0, json.dumps(value))
+
+
+def latest_source_trials(trials: Iterable[TrialRow]) -> list[TrialRow]:
+    """Per backend, only the trials of its most recently measured sources: timings of
+    sources that changed since describe code that no longer exists."""
+    trials = list(trials)
+    latest: dict[str, tuple[int, str]] = {}
+    for t in trials:
+        if t.backend not in latest or t.id > latest[t.backend][0]:
+            latest[t.backend] = (t.id, t.source_hash)
+    return [t for t in trials if t.source_hash == latest[t.backend][1]]
+
+
+def best_by_knob(trials: Iterable[TrialRow], backend: str, knob: str) -> list[tuple[Any, float]]:
+    """(knob value, fastest ok time with that value) for one backend, values in order: the
+    curve 'time vs this knob' with every other knob at its best."""
+    best: dict[str, tuple[Any, float]] = {}
+    for t in trials:
+        if t.backend != backend or t.status != "ok" or t.median_us is None or knob not in t.config:
+            continue
+        value = t.config[knob]
+        k = json.dumps(value, sort_keys=True)
+        if k not in best or t.median_us < best[k][1]:
+            best[k] = (value, t.median_us)
+    return sorted(best.values(), key=lambda vt: _knob_order(vt[0]))
+
+
+def knob_spread(trials: Iterable[TrialRow], backend: str) -> dict[str, float]:
+    """How much each knob of `backend` mattered: slowest over fastest of its per-value best
+    times (1.0 = no effect). Knobs seen with a single value are left out."""
+    trials = list(trials)
+    knobs = sorted({k for t in trials if t.backend == backend and t.status == "ok"
+                    for k in t.config})
+    spread = {}
+    for knob in knobs:
+        times = [us for _, us in best_by_knob(trials, backend, knob)]
+        if len(times) >= 2:
+            spread[knob] = max(times) / min(times)
+    return dict(sorted(spread.items(), key=lambda kv: -kv[1]))
 
 
 @dataclass(frozen=True)
@@ -31,6 +110,11 @@ class ReportRow:
     baseline_us: float | None
     torch_us: float | None
     counts: dict[str, int]
+    mean_us: float | None = None
+    device_hash: str = ""
+    software_hash: str = ""
+    updated_at: datetime | None = None
+    trials: tuple[TrialRow, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def speedup_vs_baseline(self) -> float | None:
@@ -40,19 +124,31 @@ class ReportRow:
     def speedup_vs_torch(self) -> float | None:
         return self.torch_us / self.median_us if self.torch_us else None
 
+    @property
+    def ci95_us(self) -> float | None:
+        """Half-width of the 95% CI of the winner's mean time (None below 2 samples)."""
+        return ci95_halfwidth(self.std_us, self.n)
+
+    @property
+    def knob_spread(self) -> dict[str, float]:
+        """Which knobs of the winning backend mattered (see `knob_spread`)."""
+        return knob_spread(latest_source_trials(self.trials), self.backend)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "shape": self.shape.label(), "shape_key": self.shape.key, "device": self.device,
+            "device_hash": self.device_hash, "software_hash": self.software_hash,
             "backend": self.backend, "config": self.config, "median_us": self.median_us,
-            "std_us": self.std_us, "n": self.n, "eff_gbps": self.eff_gbps,
+            "mean_us": self.mean_us, "std_us": self.std_us, "n": self.n,
+            "ci95_us": self.ci95_us, "eff_gbps": self.eff_gbps,
             "pct_of_read_bw": self.pct_of_read_bw, "baseline_backend": self.baseline_backend,
             "baseline_us": self.baseline_us, "speedup_vs_baseline": self.speedup_vs_baseline,
             "torch_us": self.torch_us, "speedup_vs_torch": self.speedup_vs_torch,
-            "trials": self.counts,
+            "trials": self.counts, "knob_spread": self.knob_spread,
         }
 
 
-def geomean(values: Iterable[float]) -> float | None:
+def geomean(values: Iterable[float | None]) -> float | None:
     """Geometric mean, as the leaderboard ranks a suite."""
     vals = [v for v in values if v and v > 0]
     if not vals:
@@ -87,12 +183,77 @@ def _row(store: TuningStore, w: WinnerRow) -> ReportRow:
         std_us=win.std_us if win else None, n=win.n if win else None, eff_gbps=gbps,
         pct_of_read_bw=100.0 * gbps / bw if bw else None,
         baseline_backend=base_backend, baseline_us=base_us, torch_us=torch_us,
-        counts=dict(Counter(t.status for t in trials)))
+        counts=dict(Counter(t.status for t in trials)),
+        mean_us=win.mean_us if win else None, device_hash=w.device.hash,
+        software_hash=w.software.hash, updated_at=w.updated_at, trials=tuple(trials))
 
 
-def report_rows(store: TuningStore, shape_key: str | None = None) -> list[ReportRow]:
-    """Report rows for every stored winner (optionally one shape key)."""
-    rows = [_row(store, w) for w in store.winners(shape_key=shape_key)]
-    rows.sort(key=lambda r: (r.device, r.shape.kv_format.value, r.shape.q_len, r.shape.heads,
-                             r.shape.kv_len, r.shape.batch))
+def report_rows(store: TuningStore, shape_key: str | None = None, *,
+                shape_keys: Collection[str] | None = None, device_hash: str | None = None,
+                software_hash: str | None = None) -> list[ReportRow]:
+    """Report rows for every stored winner, optionally narrowed to one shape key, a set of
+    shape keys (a suite), and/or one device or software stack (hash prefixes)."""
+    winners = [w for w in store.winners(shape_key=shape_key)
+               if (shape_keys is None or w.shape_key in shape_keys)
+               and (device_hash is None or w.device.hash.startswith(device_hash))
+               and (software_hash is None or w.software.hash.startswith(software_hash))]
+    rows = [_row(store, w) for w in winners]
+    rows.sort(key=lambda r: (r.device, r.software_hash, r.shape.kv_format.value, r.shape.q_len,
+                             r.shape.heads, r.shape.kv_len, r.shape.batch))
     return rows
+
+
+def suite_keys(shapes: Iterable[Shape]) -> set[str]:
+    """Shape keys of a suite in every KV format: a suite names problem sizes, and the
+    format a user tuned them in is theirs to choose."""
+    return {s.with_format(f).key for s in shapes for f in KVFormat}
+
+
+@dataclass(frozen=True)
+class SuiteSummary:
+    """Geometric means of one device + stack over a group of shapes (one KV format, or all
+    formats together), as the leaderboard ranks a suite."""
+
+    device: str
+    software_hash: str
+    kv_format: str
+    shapes: int
+    missing: int | None
+    geomean_us: float | None
+    speedup_vs_baseline: float | None
+    speedup_vs_torch: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device": self.device, "software_hash": self.software_hash,
+                "kv_format": self.kv_format, "shapes": self.shapes, "missing": self.missing,
+                "geomean_us": self.geomean_us, "speedup_vs_baseline": self.speedup_vs_baseline,
+                "speedup_vs_torch": self.speedup_vs_torch}
+
+
+def suite_summaries(rows: Sequence[ReportRow],
+                    suite: Sequence[Shape] | None = None) -> list[SuiteSummary]:
+    """Geomeans per (device, stack, KV format), plus an all-formats line where a group spans
+    several formats. With `suite`, `missing` counts the suite's sizes with no winner in that
+    format, since a geomean over part of a suite is not comparable with a full one."""
+    sizes = {s.with_format(KVFormat.BF16).key for s in suite} if suite is not None else None
+    groups: dict[tuple[str, str], list[ReportRow]] = defaultdict(list)
+    for r in rows:
+        groups[(r.device, r.software_hash)].append(r)
+    out: list[SuiteSummary] = []
+    for (device, sw), group in groups.items():
+        by_format: dict[str, list[ReportRow]] = defaultdict(list)
+        for r in group:
+            by_format[r.shape.kv_format.value].append(r)
+        if len(by_format) > 1:
+            by_format[ALL_FORMATS] = group
+        for fmt, rs in by_format.items():
+            missing = None
+            if sizes is not None:
+                expected = len(sizes) * (len(by_format) - 1 if fmt == ALL_FORMATS else 1)
+                missing = expected - len(rs)
+            out.append(SuiteSummary(
+                device=device, software_hash=sw, kv_format=fmt, shapes=len(rs),
+                missing=missing, geomean_us=geomean(r.median_us for r in rs),
+                speedup_vs_baseline=geomean(r.speedup_vs_baseline for r in rs),
+                speedup_vs_torch=geomean(r.speedup_vs_torch for r in rs)))
+    return out

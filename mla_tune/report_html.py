@@ -1,0 +1,515 @@
+"""The report as one self-contained HTML file, and its charts as PNG files.
+
+Charts are described once (`Chart`) and drawn twice: as inline SVG written here, so the HTML
+needs no plotting library to build and nothing from the network to view (a Content Security
+Policy forbids every fetch), and as PNG through matplotlib, the optional `report` extra.
+PNG needs a real rasterizer with fonts; matplotlib is the standard one, and only `--png`
+needs it (checked up front with an install hint), so CI and the H200 image do not.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import re
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from mla_tune.db import TuningStore
+from mla_tune.problem import Shape
+from mla_tune.report import (
+    ReportRow,
+    best_by_knob,
+    latest_source_trials,
+    suite_summaries,
+)
+
+FORMAT_COLORS = {"bf16": "#1f77b4", "fp8": "#d62728", "mxfp4": "#2ca02c"}
+BACKEND_COLORS = {"triton": "#1f77b4", "flashinfer": "#ff7f0e", "aiter": "#d62728",
+                  "torch": "#7f7f7f"}
+PALETTE = ("#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
+# Knobs charted per shape: split count and block size under the names backends use
+# (num_splits, n_splits, num_kv_splits; BLOCK_N, block_size, chunk_size, tile_n, ...).
+CHARTED_KNOB = re.compile(r"split|block|chunk|tile", re.IGNORECASE)
+PNG_HINT = ("--png needs matplotlib: pip install 'mla-tune[report]' (or pip install "
+            "matplotlib); --html needs nothing extra")
+
+
+class MissingDependencyError(RuntimeError):
+    """An optional package a requested output needs is not installed."""
+
+
+@dataclass(frozen=True)
+class Series:
+    """Points of one legend entry; x is a category label on categorical charts."""
+
+    name: str
+    points: tuple[tuple[float | str, float, str], ...]  # (x, y, tooltip)
+    color: str
+    line: bool = False
+    hollow: bool = False
+
+
+@dataclass(frozen=True)
+class RefLine:
+    """A horizontal reference (the device's measured read bandwidth)."""
+
+    y: float
+    label: str
+
+
+@dataclass(frozen=True)
+class Chart:
+    """One plot, independent of how it is drawn."""
+
+    title: str
+    x_label: str
+    y_label: str
+    series: tuple[Series, ...]
+    x_log: bool = False
+    y_log: bool = False
+    categories: tuple[str, ...] | None = None
+    ref_lines: tuple[RefLine, ...] = ()
+
+
+@dataclass(frozen=True)
+class Figure:
+    """Charts shown side by side; one PNG file named `slug`.png."""
+
+    slug: str
+    charts: tuple[Chart, ...]
+
+
+# ---------------------------------------------------------------- charts from report rows
+
+
+def _group_tag(row: ReportRow, multi: bool) -> str:
+    return f"-{row.device_hash[:8]}-{row.software_hash[:8]}" if multi else ""
+
+
+def roofline_figures(rows: Sequence[ReportRow],
+                     read_bw: dict[str, float | None]) -> list[Figure]:
+    """Per device: achieved bandwidth of each winner (filled) and of its baseline (hollow)
+    against the KV bytes the shape must read, per KV format, under the measured ceiling."""
+    devices = list(dict.fromkeys(r.device_hash for r in rows))
+    figures = []
+    for dev in devices:
+        drows = [r for r in rows if r.device_hash == dev]
+        series = []
+        for fmt, color in FORMAT_COLORS.items():
+            frows = [r for r in drows if r.shape.kv_format.value == fmt]
+            if not frows:
+                continue
+            series.append(Series(f"{fmt} winner", tuple(
+                (r.shape.kv_bytes / 1e6, r.eff_gbps,
+                 f"{r.shape.label()}: {r.backend} {r.median_us:.1f} us, {r.eff_gbps:.0f} GB/s")
+                for r in frows), color))
+            base = [r for r in frows if r.baseline_us]
+            if base:
+                series.append(Series(f"{fmt} baseline", tuple(
+                    (r.shape.kv_bytes / 1e6, r.shape.kv_bytes / (r.baseline_us * 1e-6) / 1e9,
+                     f"{r.shape.label()}: {r.baseline_backend} {r.baseline_us:.1f} us")
+                    for r in base if r.baseline_us), color, hollow=True))
+        bw = read_bw.get(dev)
+        refs = (RefLine(bw, f"measured read bandwidth {bw:.0f} GB/s"),) if bw else ()
+        note = "" if bw else " (read bandwidth not measured)"
+        chart = Chart(f"Roofline: {drows[0].device}{note}", "KV bytes moved (MB)",
+                      "achieved bandwidth (GB/s)", tuple(series), x_log=True, y_log=True,
+                      ref_lines=refs)
+        slug = "roofline" if len(devices) == 1 else f"roofline-{dev[:8]}"
+        figures.append(Figure(slug, (chart,)))
+    return figures
+
+
+def backend_color(name: str) -> str:
+    """One color per backend across every chart of a report (and across reports)."""
+    return BACKEND_COLORS.get(name) or PALETTE[zlib.crc32(name.encode()) % len(PALETTE)]
+
+
+def _knob_label(value: object) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def knob_figure(row: ReportRow, multi: bool = False) -> Figure | None:
+    """Time vs split count and vs block size for one shape: per knob, one line per backend,
+    each point the fastest ok config with that knob value. None when no such knob varied."""
+    trials = latest_source_trials(row.trials)
+    knobs = sorted({k for t in trials if t.status == "ok" for k in t.config
+                    if CHARTED_KNOB.search(k)}, key=lambda k: ("split" not in k.lower(), k))
+    backends = sorted({t.backend for t in trials if t.status == "ok"})
+    charts = []
+    for knob in knobs:
+        curves = {b: best_by_knob(trials, b, knob) for b in backends}
+        curves = {b: c for b, c in curves.items() if len(c) >= 2}
+        if not curves:
+            continue
+        values = sorted({_knob_label(v) for c in curves.values() for v, _ in c},
+                        key=lambda s: (0, float(s), "") if _is_number(s) else (1, 0.0, s))
+        series = tuple(Series(b, tuple((_knob_label(v), us, f"{b} {knob}={v}: {us:.1f} us")
+                                       for v, us in c), backend_color(b), line=True)
+                       for b, c in curves.items())
+        charts.append(Chart(f"{row.shape.label()}: time vs {knob}", knob,
+                            "best time (us)", series, y_log=True, categories=tuple(values)))
+    if not charts:
+        return None
+    return Figure(f"knobs-{row.shape.key}{_group_tag(row, multi)}", tuple(charts))
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _multi_group(rows: Sequence[ReportRow]) -> bool:
+    return len({(r.device_hash, r.software_hash) for r in rows}) > 1
+
+
+def figures(rows: Sequence[ReportRow], read_bw: dict[str, float | None]) -> list[Figure]:
+    """Every figure of the report: rooflines first, then the per-shape knob charts."""
+    multi = _multi_group(rows)
+    knob_figs = [knob_figure(r, multi) for r in rows]
+    return roofline_figures(rows, read_bw) + [f for f in knob_figs if f is not None]
+
+
+# ---------------------------------------------------------------------------- SVG drawing
+
+_W, _H = 480, 300
+_ML, _MR, _MT, _MB = 64, 16, 28, 44
+_LEGEND_ROW = 16
+
+
+def _fmt(v: float) -> str:
+    a = abs(v)
+    if a and (a >= 1e6 or a < 1e-3):
+        return f"{v:.0e}"
+    return f"{v:.4g}"
+
+
+def _linear_ticks(lo: float, hi: float, target: int = 5) -> list[float]:
+    raw = (hi - lo) / target
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step)
+    return [k * step for k in range(first, math.floor(hi / step) + 1)]
+
+
+def _log_ticks(lo: float, hi: float) -> list[float]:
+    """Decades; denser mantissas (1-2-5, 1-2-3-5, every digit) as the range narrows;
+    linear steps when even those give fewer than two ticks."""
+    e0, e1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    for mults in ((1,), (1, 2, 5), (1, 2, 3, 5), tuple(range(1, 10))):
+        ticks = [m * 10.0**e for e in range(e0, e1 + 1) for m in mults if lo <= m * 10.0**e <= hi]
+        if len(ticks) >= 3:
+            return ticks
+    return ticks if len(ticks) >= 2 else _linear_ticks(lo, hi, 3)
+
+
+class _Scale:
+    """Maps data values to pixels along one axis (numeric, log or linear)."""
+
+    def __init__(self, values: Iterable[float], log: bool, p0: float, p1: float) -> None:
+        vals = [v for v in values if math.isfinite(v) and (v > 0 or not log)]
+        lo, hi = (min(vals), max(vals)) if vals else (1.0, 10.0)
+        self.log = log
+        if log:
+            span = max(math.log10(hi / lo), 0.3)
+            mid = (math.log10(hi) + math.log10(lo)) / 2
+            lo, hi = 10 ** (mid - span * 0.55), 10 ** (mid + span * 0.55)
+        else:
+            pad = (hi - lo) * 0.05 or abs(hi) * 0.1 or 1.0
+            lo, hi = lo - pad, hi + pad
+        self.lo, self.hi, self.p0, self.p1 = lo, hi, p0, p1
+        self.ticks = _log_ticks(lo, hi) if log else _linear_ticks(lo, hi)
+
+    def __call__(self, v: float) -> float:
+        if self.log:
+            f = (math.log10(v) - math.log10(self.lo)) / (math.log10(self.hi) - math.log10(self.lo))
+        else:
+            f = (v - self.lo) / (self.hi - self.lo)
+        return self.p0 + f * (self.p1 - self.p0)
+
+
+def _esc(text: str) -> str:
+    return html.escape(text, quote=True)
+
+
+def _marker(s: Series) -> str:
+    if s.hollow:
+        return f'r="6" fill="none" stroke="{s.color}" stroke-width="1.5"'
+    return f'r="4" fill="{s.color}" stroke="{s.color}" stroke-width="1"'
+
+
+def chart_svg(chart: Chart) -> str:
+    """The chart as an inline <svg> element (no external references, tooltips as <title>)."""
+    per_row = 3
+    legend_rows = math.ceil(len(chart.series) / per_row)
+    height = _H + legend_rows * _LEGEND_ROW
+    x0, x1, y0, y1 = _ML, _W - _MR, _H - _MB, _MT
+    ys = [p[1] for s in chart.series for p in s.points] + [r.y for r in chart.ref_lines]
+    sy = _Scale(ys, chart.y_log, y0, y1)
+    if chart.categories is not None:
+        n = len(chart.categories)
+        slot = (x1 - x0) / max(n, 1)
+        index = {c: i for i, c in enumerate(chart.categories)}
+
+        def px(x: float | str) -> float:
+            return x0 + slot * (index[str(x)] + 0.5)
+
+        xticks = [(px(c), c) for c in chart.categories]
+    else:
+        sx = _Scale([float(p[0]) for s in chart.series for p in s.points], chart.x_log, x0, x1)
+
+        def px(x: float | str) -> float:
+            return sx(float(x))
+
+        xticks = [(sx(t), _fmt(t)) for t in sx.ticks]
+    out = [f'<svg class="chart" viewBox="0 0 {_W} {height}" width="{_W}" height="{height}" '
+           f'role="img" aria-label="{_esc(chart.title)}">',
+           f'<rect x="0" y="0" width="{_W}" height="{height}" fill="#fff"/>',
+           f'<text x="{_W / 2:.1f}" y="17" text-anchor="middle" class="t">'
+           f'{_esc(chart.title)}</text>']
+    for xp, label in xticks:
+        out.append(f'<line x1="{xp:.1f}" y1="{y0}" x2="{xp:.1f}" y2="{y1}" class="g"/>'
+                   f'<text x="{xp:.1f}" y="{y0 + 14}" text-anchor="middle">{_esc(label)}</text>')
+    for t in sy.ticks:
+        yp = sy(t)
+        out.append(f'<line x1="{x0}" y1="{yp:.1f}" x2="{x1}" y2="{yp:.1f}" class="g"/>'
+                   f'<text x="{x0 - 5}" y="{yp + 4:.1f}" text-anchor="end">{_fmt(t)}</text>')
+    out.append(f'<rect x="{x0}" y="{y1}" width="{x1 - x0}" height="{y0 - y1}" class="frame"/>')
+    out.append(f'<text x="{(x0 + x1) / 2:.1f}" y="{y0 + 32}" text-anchor="middle">'
+               f'{_esc(chart.x_label)}</text>')
+    out.append(f'<text transform="translate(14 {(y0 + y1) / 2:.1f}) rotate(-90)" '
+               f'text-anchor="middle">{_esc(chart.y_label)}</text>')
+    for ref in chart.ref_lines:
+        yp = sy(ref.y)
+        # Labelled below the line at the left, where small shapes sit far below the ceiling.
+        out.append(f'<line x1="{x0}" y1="{yp:.1f}" x2="{x1}" y2="{yp:.1f}" class="ref"/>'
+                   f'<text x="{x0 + 4}" y="{yp + 13:.1f}">{_esc(ref.label)}</text>')
+    # Hollow (baseline) markers first and larger, so a winner on the same spot shows inside.
+    for s in sorted(chart.series, key=lambda s: not s.hollow):
+        pts = [(px(x), sy(y), tip) for x, y, tip in s.points]
+        if s.line and len(pts) > 1:
+            path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _ in pts)
+            out.append(f'<polyline points="{path}" fill="none" stroke="{s.color}" '
+                       f'stroke-width="1.5"/>')
+        for x, y, tip in pts:
+            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" {_marker(s)}>'
+                       f'<title>{_esc(tip)}</title></circle>')
+    for i, s in enumerate(chart.series):
+        lx = _ML + (i % per_row) * ((_W - _ML) / per_row)
+        ly = _H + (i // per_row) * _LEGEND_ROW
+        out.append(f'<circle cx="{lx + 6:.1f}" cy="{ly - 4}" {_marker(s)}/>'
+                   f'<text x="{lx + 15:.1f}" y="{ly}">{_esc(s.name)}</text>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+# ----------------------------------------------------------------------------- PNG drawing
+
+
+def require_matplotlib() -> None:
+    """Fail early, with the install command, when PNG output cannot be made."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MissingDependencyError(PNG_HINT) from None
+
+
+def _mpl_axis(ax: Any, which: str, scale: _Scale) -> None:
+    """The SVG's domain and ticks on a matplotlib axis, so both drawings agree."""
+    from matplotlib.ticker import NullLocator
+
+    if scale.log:
+        getattr(ax, f"set_{which}scale")("log")
+    getattr(ax, f"set_{which}lim")(scale.lo, scale.hi)
+    getattr(ax, f"set_{which}ticks")(scale.ticks, [_fmt(t) for t in scale.ticks])
+    getattr(ax, f"{which}axis").set_minor_locator(NullLocator())
+
+
+def figure_png(fig: Figure, path: Path) -> None:
+    """Draw `fig` with matplotlib's Agg renderer (no display or pyplot state needed)."""
+    require_matplotlib()
+    from matplotlib.figure import Figure as MplFigure
+
+    mfig = MplFigure(figsize=(5.2 * len(fig.charts), 3.8), dpi=150, layout="constrained")
+    axes = mfig.subplots(1, len(fig.charts), squeeze=False)[0]
+    for ax, chart in zip(axes, fig.charts, strict=True):
+        cats = {c: i for i, c in enumerate(chart.categories or ())}
+        for s in chart.series:
+            xs = [cats[str(x)] if chart.categories is not None else float(x)
+                  for x, _, _ in s.points]
+            ax.plot(xs, [y for _, y, _ in s.points], linestyle="-" if s.line else "none",
+                    marker="o", color=s.color, label=s.name,
+                    markerfacecolor="none" if s.hollow else s.color,
+                    markersize=9 if s.hollow else 5, zorder=2 if s.hollow else 3)
+        for ref in chart.ref_lines:
+            ax.axhline(ref.y, linestyle="--", color="#555555", linewidth=1)
+            ax.annotate(ref.label, (0.01, ref.y), xycoords=("axes fraction", "data"),
+                        xytext=(0, -3), textcoords="offset points", ha="left", va="top",
+                        fontsize=7, color="#333333")
+        ys = [y for s in chart.series for _, y, _ in s.points] + [r.y for r in chart.ref_lines]
+        _mpl_axis(ax, "y", _Scale(ys, chart.y_log, 0, 1))
+        if chart.categories is not None:
+            ax.set_xticks(range(len(chart.categories)), chart.categories)
+            ax.set_xlim(-0.5, len(chart.categories) - 0.5)
+        else:
+            xs = [float(x) for s in chart.series for x, _, _ in s.points]
+            _mpl_axis(ax, "x", _Scale(xs, chart.x_log, 0, 1))
+        ax.set_title(chart.title, fontsize=9)
+        ax.set_xlabel(chart.x_label)
+        ax.set_ylabel(chart.y_label)
+        ax.grid(True, which="major", alpha=0.3)
+        if chart.series:
+            ax.legend(fontsize=7)
+    mfig.savefig(path)
+
+
+def write_pngs(store: TuningStore, rows: Sequence[ReportRow], directory: Path) -> list[Path]:
+    """Every figure of the report as `directory/<slug>.png`; returns the files written."""
+    require_matplotlib()
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for fig in figures(rows, _read_bw(store)):
+        path = directory / f"{fig.slug}.png"
+        figure_png(fig, path)
+        written.append(path)
+    return written
+
+
+# ---------------------------------------------------------------------------- HTML page
+
+_CSS = """
+body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222}
+h1{font-size:22px}h2{font-size:18px;margin-top:28px}h3{font-size:15px;margin:18px 0 4px}
+table{border-collapse:collapse;font-size:12px}td,th{border:1px solid #ddd;padding:3px 6px}
+th{background:#f4f4f4;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}
+.meta{color:#666}.figs{display:flex;flex-wrap:wrap;gap:12px}.bad{color:#b00}
+svg.chart{font:11px system-ui,sans-serif;border:1px solid #eee}
+svg .t{font-size:13px;font-weight:600}
+svg .g{stroke:#eee}svg .frame{fill:none;stroke:#999}svg .ref{stroke:#555;stroke-dasharray:5 4}
+code{font-size:11px}
+"""
+# The page may use its own inline styles and nothing else: no script, image, font or
+# stylesheet can be fetched, whoever opens it.
+_CSP = "default-src 'none'; style-src 'unsafe-inline'"
+
+
+def _num(v: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if v is None else f"{v:{spec}}{suffix}"
+
+
+def _table(headers: Sequence[str], body: Iterable[Sequence[str]], numeric: set[int]) -> str:
+    head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
+    rows = []
+    for cells in body:
+        tds = "".join(f'<td class="n">{c}</td>' if i in numeric else f"<td>{c}</td>"
+                      for i, c in enumerate(cells))
+        rows.append(f"<tr>{tds}</tr>")
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def _read_bw(store: TuningStore) -> dict[str, float | None]:
+    return {d.hash: d.read_bw_gbps for d in store.devices()}
+
+
+def _spread_text(row: ReportRow) -> str:
+    return ", ".join(f"{k} {v:.2f}x" for k, v in row.knob_spread.items()) or "-"
+
+
+def _winner_table(rows: Sequence[ReportRow], multi: bool) -> str:
+    headers = ["device", *(["stack"] if multi else []), "shape", "winner", "config",
+               "median µs", "±95% CI µs", "GB/s", "% read bw", "baseline", "vs baseline",
+               "vs torch", "trials ok/wrong/failed/timeout", "knob spread (slowest/fastest)"]
+    off = 1 if multi else 0
+    body = []
+    for r in rows:
+        c = r.counts
+        base = f"{_esc(r.baseline_backend or '')} {r.baseline_us:.1f}" if r.baseline_us else "-"
+        body.append([
+            _esc(r.device), *([f"<code>{r.software_hash[:8]}</code>"] if multi else []),
+            _esc(r.shape.label()), _esc(r.backend),
+            f"<code>{_esc(json.dumps(r.config, sort_keys=True))}</code>",
+            f"{r.median_us:.1f}", _num(r.ci95_us, ".2f"), f"{r.eff_gbps:.0f}",
+            _num(r.pct_of_read_bw, ".1f", "%"), base, _num(r.speedup_vs_baseline, ".2f", "x"),
+            _num(r.speedup_vs_torch, ".2f", "x"),
+            f"{c.get('ok', 0)}/{c.get('wrong', 0)}/{c.get('failed', 0)}/{c.get('timeout', 0)}",
+            _esc(_spread_text(r))])
+    return _table(headers, body, {i + off for i in (4, 5, 6, 7, 9, 10)})
+
+
+def _summary_table(rows: Sequence[ReportRow], suite: Sequence[Shape] | None) -> str:
+    body = [[_esc(s.device), f"<code>{s.software_hash[:8]}</code>", _esc(s.kv_format),
+             str(s.shapes), "-" if s.missing is None else str(s.missing),
+             _num(s.geomean_us, ".2f"), _num(s.speedup_vs_baseline, ".2f", "x"),
+             _num(s.speedup_vs_torch, ".2f", "x")]
+            for s in suite_summaries(rows, suite)]
+    return _table(["device", "stack", "kv format", "shapes", "missing from suite",
+                   "geomean µs", "geomean vs baseline", "geomean vs torch"], body,
+                  {3, 4, 5, 6, 7})
+
+
+def render_html(store: TuningStore, rows: Sequence[ReportRow],
+                suite: Sequence[Shape] | None = None, suite_name: str | None = None) -> str:
+    """The whole report as one HTML document: summary, roofline, winners table, and the
+    knob charts of every shape, all inline."""
+    read_bw = _read_bw(store)
+    multi = _multi_group(rows)
+    stacks = {w.software.hash: w.software for w in store.winners()}
+    used_devices = {r.device_hash for r in rows}
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    scope = f"suite {_esc(suite_name)}, " if suite_name else ""
+    parts = [
+        "<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
+        f'<meta http-equiv="Content-Security-Policy" content="{_CSP}">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        "<title>mla-tune report</title>", f"<style>{_CSS}</style></head><body>",
+        "<h1>mla-tune report</h1>",
+        f'<p class="meta">{scope}{len(rows)} tuned shapes from <code>{_esc(store.url)}</code>, '
+        f"generated {now}. Times are medians of cold-L2 runs; the CI is the 95% interval "
+        "of the mean; effective bandwidth counts the KV bytes each shape must read.</p>",
+    ]
+    if not rows:
+        parts.append("<p>No winners stored yet: run <code>mla-tune sweep</code> first.</p>")
+        parts.append("</body></html>")
+        return "\n".join(parts)
+    dev_rows = [[_esc(d.fingerprint.name), f"<code>{d.hash}</code>", _esc(d.fingerprint.arch),
+                 _num(d.read_bw_gbps, ".0f") if d.read_bw_gbps else "not measured"]
+                for d in store.devices() if d.hash in used_devices]
+    stack_rows = [[f"<code>{h}</code>",
+                   _esc(", ".join(f"{k} {v}" for k, v in stacks[h].versions))]
+                  for h in dict.fromkeys(r.software_hash for r in rows) if h in stacks]
+    parts += ["<h2>Devices and software</h2>",
+              _table(["device", "hash", "arch", "measured read GB/s"], dev_rows, {3}),
+              "<p></p>", _table(["stack", "versions"], stack_rows, set()),
+              "<h2>Geometric means</h2>", _summary_table(rows, suite),
+              "<h2>Roofline</h2>", '<div class="figs">']
+    parts += [chart_svg(c) for f in roofline_figures(rows, read_bw) for c in f.charts]
+    parts += ["</div>", "<h2>Winners</h2>", _winner_table(rows, multi),
+              "<h2>Knobs per shape</h2>",
+              "<p>Each point is the fastest correct config with that knob value (every other "
+              "knob at its best), per backend, for the latest sources of each backend.</p>"]
+    for r in rows:
+        fig = knob_figure(r, multi)
+        stack = f" · stack {r.software_hash[:8]}" if multi else ""
+        parts.append(f"<h3>{_esc(r.shape.label())} · {_esc(r.device)}{stack}</h3>"
+                     f"<p>knob spread: {_esc(_spread_text(r))}</p>")
+        if fig is not None:
+            parts.append('<div class="figs">' + "".join(chart_svg(c) for c in fig.charts)
+                         + "</div>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_html(store: TuningStore, rows: Sequence[ReportRow], path: Path,
+               suite: Sequence[Shape] | None = None, suite_name: str | None = None) -> None:
+    """Write `render_html` to `path`, creating its directory."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_html(store, rows, suite, suite_name), encoding="utf-8")

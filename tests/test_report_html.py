@@ -1,0 +1,137 @@
+"""The HTML report: charts inline as SVG, nothing fetched when opened; PNG charts on request."""
+
+import re
+import sys
+from html.parser import HTMLParser
+
+import pytest
+from typer.testing import CliRunner
+
+from mla_tune.cli import app
+from mla_tune.db import TuningStore
+from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint
+from mla_tune.problem import Shape
+from mla_tune.report import report_rows
+from mla_tune.report_html import figures, render_html, write_pngs
+from tests.fixtures.sweep_db import SHAPES, copy_db, swept_db
+
+runner = CliRunner()
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+class _Tags(HTMLParser):
+    """Every start tag with its attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+
+def _tags(text: str) -> list[tuple[str, dict[str, str | None]]]:
+    parser = _Tags()
+    parser.feed(text)
+    return parser.tags
+
+
+def _db_arg(store: TuningStore) -> str:
+    return store.url.removeprefix("sqlite:///")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    store = swept_db(tmp_path_factory.mktemp("html") / "t.db")
+    store.set_read_bandwidth(store.devices()[0].id, 50.0)
+    return store
+
+
+def _add_gpu_device(store: TuningStore) -> None:
+    """A second device with a library baseline and Triton-style knobs, as an H200 sweep
+    stores them (made-up times), so a report spans devices, backends and stacks."""
+    dev = store.device_id(DeviceFingerprint("nvidia", "NVIDIA H200", "sm_90", 132, 150 * 2**30))
+    sw = store.software_id(SoftwareFingerprint((("python", "3.12"), ("triton", "3.6.0"))))
+    shape = Shape.uniform(4, 1024)
+    for splits in (1, 4, 16):
+        for block in (16, 32):
+            store.record_trial(device_id=dev, software_id=sw, shape_key=shape.key,
+                               shape_json=shape.to_json(), kv_format="bf16", backend="triton",
+                               source_hash="aa", config={"num_splits": splits, "BLOCK_N": block},
+                               status="ok", stats={"median_us": 5.0 + 20 / splits + block / 16,
+                                                   "std_us": 0.1, "n": 50})
+    store.record_trial(device_id=dev, software_id=sw, shape_key=shape.key,
+                       shape_json=shape.to_json(), kv_format="bf16", backend="flashinfer",
+                       source_hash="bb", config={"page_size": 1}, status="ok",
+                       stats={"median_us": 16.8, "std_us": 0.2, "n": 50})
+    store.update_winner(dev, sw, shape.key, {"triton": "aa", "flashinfer": "bb"})
+
+
+def test_html_is_self_contained_with_inline_svg_charts(store):
+    rows = report_rows(store)
+    text = render_html(store, rows)
+    tags = _tags(text)
+    names = [t for t, _ in tags]
+    assert names.count("svg") == 1 + len(rows) * 2  # roofline + (num_splits, chunk_size)
+    for tag, attrs in tags:
+        assert tag not in ("script", "link", "img", "iframe", "object", "embed", "video")
+        assert not {"src", "href", "xlink:href", "srcset", "action"} & set(attrs), (tag, attrs)
+    assert not re.search(r"https?:|url\(|@import", text, re.IGNORECASE)
+    csp = [a for t, a in tags if t == "meta" and a.get("http-equiv") == "Content-Security-Policy"]
+    assert csp and "default-src 'none'" in csp[0]["content"]
+    roofline = re.search(r"<svg[^>]*aria-label=\"Roofline[^\"]*\".*?</svg>", text, re.S).group(0)
+    assert "measured read bandwidth 50 GB/s" in roofline
+    points = re.findall(r"<circle[^>]*><title>([^<]*)</title>", roofline)
+    winners = [p for p in points if "GB/s" in p]
+    assert len(winners) == len(rows)
+    for r in rows:
+        assert f"{r.eff_gbps:.0f} GB/s" in roofline
+        assert f"<td class=\"n\">{r.median_us:.1f}</td>" in text
+        assert f"<td class=\"n\">{r.ci95_us:.2f}</td>" in text
+        assert f"{r.pct_of_read_bw:.1f}%" in text
+
+
+def test_report_on_any_db_devices_backends_and_an_empty_one(store, tmp_path):
+    multi = copy_db(store, tmp_path / "multi.db")
+    _add_gpu_device(multi)
+    rows = report_rows(multi)
+    figs = figures(rows, {d.hash: d.read_bw_gbps for d in multi.devices()})
+    rooflines = [f for f in figs if f.slug.startswith("roofline-")]
+    assert len(rooflines) == 2
+    gpu = next(f for f in figs if "kv1024" in f.slug)
+    assert [c.title.rsplit(" ", 1)[-1] for c in gpu.charts] == ["num_splits", "BLOCK_N"]
+    assert {s.name for s in gpu.charts[0].series} == {"triton"}
+    text = render_html(multi, rows)
+    assert "<td>flashinfer 16.8</td>" in text  # the library baseline ...
+    assert '<td class="n">2.32x</td>' in text  # ... over the winner, 5 + 20 / 16 + 16 / 16 us
+    empty = TuningStore(f"sqlite:///{tmp_path / 'empty.db'}")
+    assert "No winners stored yet" in render_html(empty, [])
+    for db in (multi, empty):
+        out = tmp_path / f"{db.url.rsplit('/', 1)[-1]}-report"
+        r = runner.invoke(app, ["report", "--db", _db_arg(db), "--html", str(out / "r.html")])
+        assert r.exit_code == 0, r.output
+        assert (out / "r.html").read_text().startswith("<!doctype html>")
+
+
+def test_png_charts(store, tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = report_rows(store)
+    written = write_pngs(store, rows, tmp_path / "png")
+    assert sorted(p.name for p in written) == sorted(
+        ["roofline.png"] + [f"knobs-{s.key}.png" for s in SHAPES])
+    for p in written:
+        assert p.read_bytes().startswith(PNG_MAGIC)
+    r = runner.invoke(app, ["report", "--db", _db_arg(store), "--html",
+                            str(tmp_path / "docs" / "r.html"), "--png", str(tmp_path / "docs")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "docs" / "roofline.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_png_without_matplotlib_says_how_to_install(store, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    r = runner.invoke(app, ["report", "--db", _db_arg(store), "--png", str(tmp_path / "png")])
+    assert r.exit_code == 2
+    assert "pip install 'mla-tune[report]'" in r.output
+    assert not (tmp_path / "png").exists()
+    r = runner.invoke(app, ["report", "--db", _db_arg(store), "--html", str(tmp_path)])
+    assert r.exit_code == 2 and "directory" in r.output
