@@ -1,4 +1,4 @@
-"""`mla-tune` command line: thin wrappers over sweep, report and doctor.
+"""`mla-tune` command line: thin wrappers over sweep, report, diff, export/import and doctor.
 
 Bad input exits with code 2 and a message saying what was wrong and what to do; nothing
 stored is touched before the input has been validated.
@@ -10,12 +10,16 @@ import csv
 import io
 import json
 import os
+import re
+import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from mla_tune.problem import KVFormat, Shape, ShapeError, parse_shape
@@ -30,7 +34,7 @@ DB_HELP = "Tuning DB: a SQLAlchemy URL or a SQLite file path (default: $MLA_TUNE
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print a clear error and exit non-zero."""
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     raise typer.Exit(code)
 
 
@@ -95,14 +99,27 @@ def sweep(
     strategy: str = typer.Option("grid", help="grid, tpe or random."),
     budget: int | None = typer.Option(None, min=1, help="Max configs measured per shape and backend."),
     device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)."),
+    gpus: str | None = typer.Option(None, help="GPUs to tune on, one worker process each: N or all (default 1)."),
+    candidate_timeout: float = typer.Option(120.0, "--candidate-timeout", min=1.0, help="Seconds one candidate may take, build included, before it is recorded as timeout."),
     time_budget: float = typer.Option(1.0, "--time-budget", min=0.01, help="Seconds of timing per candidate."),
     no_baseline: bool = typer.Option(False, "--no-baseline", help="Do not add library/torch baselines."),
     seed: int = typer.Option(0, help="Input seed."),
+    pin: list[str] = typer.Option([], "--pin", help="Narrow a knob: BACKEND.KNOB=V1[,V2...], e.g. triton.num_splits=1,4 (repeatable)."),
 ) -> None:
-    """Tune shapes: enumerate variants, verify each against the reference, time it, store it."""
+    """Tune shapes: enumerate variants, verify each against the reference, time it, store it.
+
+    Candidates run in worker processes (one per GPU), so a crashing or hanging variant is
+    recorded and the sweep goes on. Interrupt it at any moment and run the same command
+    again to finish; several sweeps on one DB share the work."""
     from mla_tune.backends import UnknownBackendError, get_backend
     from mla_tune.search import Strategy
-    from mla_tune.sweep import SweepOptions, resolve_backends, run_sweep
+    from mla_tune.sweep import (
+        SweepError,
+        SweepInterrupted,
+        SweepOptions,
+        resolve_backends,
+        run_sweep,
+    )
     from mla_tune.timing import TimingPolicy
     from mla_tune.ui import SweepProgress
 
@@ -117,21 +134,77 @@ def sweep(
             get_backend(name)
         except UnknownBackendError as exc:
             fail(str(exc))
-    dev = device or _default_device()
+    devices = _sweep_devices(device or _default_device(), gpus)
+    store = _open_store(db)
+    pins = _pins(pin, devices[0])
+    options = SweepOptions(devices=devices, strategy=strat, budget=budget, seed=seed,
+                           policy=TimingPolicy(budget_s=time_budget), baselines=not no_baseline,
+                           candidate_timeout_s=candidate_timeout, pins=pins)
+    backends = resolve_backends(backend, options.baselines)
+    # SIGTERM stops the sweep as cleanly as Ctrl-C (workers ignore both; the driver ends them).
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with SweepProgress(console) as progress:
+            results = run_sweep(shapes, backends, store, options, progress)
+    except SweepInterrupted as stop:
+        if stop.results:
+            _print_winners(stop.results)
+        console.print(f"interrupted: {stop.new_trials} new trial(s) stored in {store.url}, "
+                      f"{len(stop.results)} shape(s) finished; {stop.requeued} candidate(s) "
+                      "being measured went back to the queue. Run the same command again to "
+                      "finish.", highlight=False)
+        raise typer.Exit(130) from None
+    except SweepError as exc:
+        fail(str(exc), code=1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        store.close()
+    _print_winners(results)
+
+
+def _pins(texts: Sequence[str], device: str) -> dict[str, dict[str, list[Any]]]:
+    """Parse `--pin` options and check each against its backend's declared space."""
+    from mla_tune.backends import UnknownBackendError, get_backend
+    from mla_tune.space import ConfigError, parse_pin
+
+    pins: dict[str, dict[str, list[Any]]] = {}
+    try:
+        for text in texts:
+            backend, knob, values = parse_pin(text)
+            pins.setdefault(backend, {})[knob] = values
+        for backend, knobs in pins.items():
+            get_backend(backend).declared_space(device.split(":")[0]).restrict(knobs)
+    except (ConfigError, UnknownBackendError) as exc:
+        fail(f"--pin: {exc}")
+    return pins
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _sweep_devices(dev: str, gpus: str | None) -> tuple[str, ...]:
+    """One entry per worker process: `cuda:i` for each GPU asked for, else the device."""
     if dev not in ("cpu", "cuda") and not dev.startswith("cuda:"):
         fail(f"unknown device {dev!r}; use cpu, cuda or cuda:N")
-    if dev.startswith("cuda"):
-        import torch
+    if dev == "cpu":
+        if gpus is not None:
+            fail("--gpus needs --device cuda; a CPU sweep runs one worker process")
+        return ("cpu",)
+    import torch
 
-        if not torch.cuda.is_available():
-            fail("--device cuda was asked for but torch sees no GPU; use --device cpu")
-    store = _open_store(db)
-    options = SweepOptions(device=dev, strategy=strat, budget=budget, seed=seed,
-                           policy=TimingPolicy(budget_s=time_budget), baselines=not no_baseline)
-    backends = resolve_backends(backend, options.baselines)
-    with SweepProgress(console) as progress:
-        results = run_sweep(shapes, backends, store, options, progress)
-    _print_winners(results)
+    if not torch.cuda.is_available():
+        fail("--device cuda was asked for but torch sees no GPU; use --device cpu")
+    count = torch.cuda.device_count()
+    if gpus is None:
+        return (dev if ":" in dev else "cuda:0",)
+    if ":" in dev:
+        fail(f"--gpus takes GPUs 0..N-1; drop --device {dev} or --gpus")
+    if gpus.strip().lower() == "all":
+        return tuple(f"cuda:{i}" for i in range(count))
+    if not gpus.strip().isdigit() or not 1 <= int(gpus) <= count:
+        fail(f"--gpus must be a number from 1 to {count} (GPUs seen) or all, got {gpus!r}")
+    return tuple(f"cuda:{i}" for i in range(int(gpus)))
 
 
 def _print_winners(results: Sequence[Any]) -> None:
@@ -155,14 +228,50 @@ def report(
     db: str | None = typer.Option(None, help=DB_HELP),
     shape: str | None = typer.Option(None, help="Only this shape key (see `report --format json`)."),
     fmt: str = typer.Option("table", "--format", help="table, json or csv."),
+    suite: str | None = typer.Option(None, help="Only this suite's shapes (in any KV format); "
+                                     "geomeans then count the suite's shapes still missing."),
+    software: str | None = typer.Option(None, help="Only this software stack (hash prefix)."),
+    html: Path | None = typer.Option(None, "--html", help="Also write a self-contained HTML "
+                                     "report with charts to this file."),
+    png: Path | None = typer.Option(None, "--png", help="Also write the charts as PNG files "
+                                    "into this directory (needs matplotlib: the 'report' extra)."),
 ) -> None:
-    """Winners with time, effective bandwidth and speedup over the baselines."""
-    from mla_tune.report import geomean, report_rows
+    """Winners with time, bandwidth vs the device's measured ceiling, and speedups."""
+    from mla_tune.report import report_rows, suite_keys
+    from mla_tune.report_html import (
+        MissingDependencyError,
+        require_matplotlib,
+        write_html,
+        write_pngs,
+    )
+    from mla_tune.suites import UnknownSuiteError, suite_shapes
 
     if fmt not in ("table", "json", "csv"):
         fail(f"unknown format {fmt!r}; choose table, json or csv")
+    suite_list = None
+    if suite:
+        try:
+            suite_list = suite_shapes(suite)
+        except UnknownSuiteError as exc:
+            fail(str(exc))
+    if html is not None and html.is_dir():
+        fail(f"--html {html} is a directory; give a file name, e.g. {html / 'report.html'}")
+    if png is not None:
+        if png.exists() and not png.is_dir():
+            fail(f"--png {png} is a file; give a directory for the PNG charts")
+        try:
+            require_matplotlib()
+        except MissingDependencyError as exc:
+            fail(str(exc))
     store = _open_store(db)
-    rows = report_rows(store, shape_key=shape)
+    rows = report_rows(store, shape_key=shape, software_hash=software,
+                       shape_keys=suite_keys(suite_list) if suite_list is not None else None)
+    if html is not None:
+        write_html(store, rows, html, suite_list, suite)
+        console.print(f"wrote {html}")
+    if png is not None:
+        written = write_pngs(store, rows, png)
+        console.print(f"wrote {len(written)} PNG chart(s) to {png}")
     if fmt == "json":
         out.print_json(json.dumps([r.to_json() for r in rows]))
         return
@@ -179,24 +288,36 @@ def report(
     if not rows:
         console.print("no winners stored yet: run `mla-tune sweep --shape 4x1024` first")
         return
+    _print_report(rows, suite_list)
+
+
+def _print_report(rows: Sequence[Any], suite: Sequence[Shape] | None) -> None:
+    from mla_tune.report import suite_summaries
+
     table = Table(title=f"tuned winners ({len(rows)})")
-    for col in ("device", "shape", "winner", "config", "µs", "±", "GB/s", "% read bw",
+    for col in ("device", "shape", "winner", "config", "µs", "±95%", "GB/s", "% read bw",
                 "baseline", "vs baseline", "vs torch", "trials ok/wrong/fail/timeout"):
         table.add_column(col, overflow="fold")
     for r in rows:
         c = r.counts
         table.add_row(
             r.device, r.shape.label(), r.backend, json.dumps(r.config, sort_keys=True),
-            f"{r.median_us:.1f}", f"{r.std_us:.1f}" if r.std_us is not None else "-",
+            f"{r.median_us:.1f}", f"{r.ci95_us:.1f}" if r.ci95_us is not None else "-",
             f"{r.eff_gbps:.0f}", f"{r.pct_of_read_bw:.0f}%" if r.pct_of_read_bw else "-",
             f"{r.baseline_backend} {r.baseline_us:.1f}" if r.baseline_us else "-",
             f"{r.speedup_vs_baseline:.2f}x" if r.speedup_vs_baseline else "-",
             f"{r.speedup_vs_torch:.2f}x" if r.speedup_vs_torch else "-",
             f"{c.get('ok', 0)}/{c.get('wrong', 0)}/{c.get('failed', 0)}/{c.get('timeout', 0)}")
     out.print(table)
-    g = geomean(r.median_us for r in rows)
-    if g:
-        out.print(f"geometric mean over {len(rows)} shapes: {g:.1f} µs")
+    for s in suite_summaries(rows, suite):
+        if s.geomean_us is None:
+            continue
+        extra = "".join(f", {v:.2f}x vs {name}" for name, v in
+                        (("baseline", s.speedup_vs_baseline), ("torch", s.speedup_vs_torch)) if v)
+        missing = f" ({s.missing} suite shapes missing)" if s.missing else ""
+        out.print(f"geometric mean {s.kv_format} on {s.device} (stack {s.software_hash[:8]}): "
+                  f"{s.geomean_us:.1f} µs over {s.shapes} shapes{extra}{missing}",
+                  highlight=False)
 
 
 @app.command()
@@ -226,5 +347,147 @@ def doctor(device: str | None = typer.Option(None, help="cuda or cpu.")) -> None
     out.print(table)
 
 
+_STACK_HASH = re.compile(r"[0-9a-f]{4,64}")
+
+
+def _diff_side(ref: str, db: str | None) -> Any:
+    """A DB (URL or existing file) or a software stack hash prefix of `db`."""
+    from mla_tune.diff import DiffSide
+
+    if _STACK_HASH.fullmatch(ref) and not Path(ref).exists():
+        store = _open_store(db)
+        known = sorted({w.software.hash for w in store.winners()})
+        match = [h for h in known if h.startswith(ref)]
+        if len(match) != 1:
+            what = "no software stack" if not match else "more than one software stack"
+            fail(f"{what} with hash {ref!r} in {store.url}; stacks with winners there: "
+                 f"{', '.join(known) or '(none)'}")
+        return DiffSide.load(store, f"stack {match[0][:8]}", match[0])
+    if "://" not in ref and not Path(ref).is_file():
+        fail(f"{ref!r} is neither a tuning DB file nor a software stack hash of --db; give a "
+             "DB path or URL, or a hash from `mla-tune report --format json`")
+    return DiffSide.load(_open_store(ref), ref)
+
+
+@app.command()
+def diff(
+    before: str = typer.Argument(..., help="Earlier run: a tuning DB (path or URL), or a "
+                                 "software stack hash (prefix) in --db."),
+    after: str = typer.Argument(..., help="Later run, in the same forms as BEFORE."),
+    db: str | None = typer.Option(None, help=DB_HELP + " Holds the stacks named by hash."),
+    min_change: float | None = typer.Option(None, "--min-change", min=0.0, help="Smallest "
+                                            "relative change flagged, on top of the measured "
+                                            "noise [default: 0.03]."),
+    fmt: str = typer.Option("table", "--format", help="table or json."),
+    fail_on_regression: bool = typer.Option(False, "--fail-on-regression",
+                                            help="Exit 1 when any shape regressed."),
+) -> None:
+    """Per shape: winner and time before and after, regressions beyond the noise flagged."""
+    from mla_tune.diff import DEFAULT_MIN_CHANGE, compare, stack_changes, summarize_diff
+
+    if fmt not in ("table", "json"):
+        fail(f"unknown format {fmt!r}; choose table or json")
+    if min_change is None:
+        min_change = DEFAULT_MIN_CHANGE
+    side_a, side_b = _diff_side(before, db), _diff_side(after, db)
+    rows = compare(side_a, side_b, min_change)
+    summary = summarize_diff(rows)
+    changes = stack_changes(side_a, side_b)
+    if fmt == "json":
+        out.print_json(json.dumps({
+            "before": side_a.label, "after": side_b.label, "min_change": min_change,
+            "software_changes": {k: list(v) for k, v in changes.items()},
+            "rows": [d.to_json() for d in rows], "geomeans": [g.to_json() for g in summary]}))
+    else:
+        _print_diff(side_a.label, side_b.label, rows, summary, changes)
+    if fail_on_regression and any(d.status == "regression" for d in rows):
+        raise typer.Exit(1)
+
+
+def _print_diff(label_a: str, label_b: str, rows: Sequence[Any], summary: Sequence[Any],
+                changes: dict[str, tuple[str | None, str | None]]) -> None:
+    def us(r: Any) -> str:
+        if r is None:
+            return "-"
+        return f"{r.median_us:.1f}" + (f" ±{r.ci95_us:.1f}" if r.ci95_us is not None else "")
+
+    def winner(r: Any) -> str:
+        return "-" if r is None else f"{r.backend} {json.dumps(r.config, sort_keys=True)}"
+
+    style = {"regression": "bold red", "improvement": "green"}
+    multi = len({d.device for d in rows}) > 1
+    table = Table(title=f"{label_a} -> {label_b}")
+    for col in (["device"] if multi else []) + ["shape", "winner before", "winner after",
+                                                "µs before", "µs after", "change", "noise µs",
+                                                "status"]:
+        table.add_column(col, overflow="fold")
+    for d in rows:
+        after_winner = "same" if d.before and d.after and not d.winner_changed else winner(d.after)
+        status = d.status
+        if status in style:
+            status = f"[{style[status]}]{status}[/]"
+        table.add_row(*([d.device] if multi else []), d.shape.label(), winner(d.before),
+                      after_winner, us(d.before), us(d.after),
+                      f"{d.change:+.1%}" if d.change is not None else "-",
+                      f"±{d.noise_us:.1f}" if d.noise_us is not None else "-", status)
+    out.print(table)
+    for pkg, (va, vb) in changes.items():
+        out.print(f"software: {pkg} {va or '(absent)'} -> {vb or '(absent)'}", highlight=False)
+    for g in summary:
+        out.print(f"geometric mean {g.kv_format} on {g.device}: {g.before_us:.1f} -> "
+                  f"{g.after_us:.1f} µs ({g.change:+.1%}) over {g.shapes} common shapes",
+                  highlight=False)
+    counts = {s: sum(d.status == s for d in rows) for s in ("regression", "improvement",
+                                                            "same", "new", "gone")}
+    out.print(", ".join(f"{n} {s}" for s, n in counts.items()), highlight=False)
+
+
+@app.command("export")
+def export_cmd(
+    out_path: Path = typer.Option(..., "--out", "-o", help="The winners JSON file to write."),
+    db: str | None = typer.Option(None, help=DB_HELP),
+    device: str | None = typer.Option(None, help="Only this device (fingerprint hash prefix)."),
+) -> None:
+    """Write the winners table as a versioned JSON document (device and software included)."""
+    from mla_tune.winners_json import export_winners
+
+    if out_path.is_dir() or not out_path.absolute().parent.is_dir():
+        fail(f"--out {out_path}: give a file path in an existing directory")
+    store = _open_store(db)
+    device_hash = None
+    if device is not None:
+        known = [d.hash for d in store.devices()]
+        match = [h for h in known if h.startswith(device)]
+        if len(match) != 1:
+            fail(f"no single device with hash {device!r} in {store.url}; devices: "
+                 f"{', '.join(known) or '(none)'}")
+        device_hash = match[0]
+    n = export_winners(store, out_path, device_hash=device_hash)
+    console.print(f"wrote {n} winners to {out_path}")
+
+
+@app.command("import")
+def import_cmd(
+    path: Path = typer.Argument(..., help="A winners JSON file written by `mla-tune export`."),
+    db: str | None = typer.Option(None, help=DB_HELP),
+) -> None:
+    """Add the winners of a JSON file to the DB; each competes with the trials already there."""
+    from mla_tune.winners_json import WinnersFileError, import_winners, load_winners_json
+
+    try:
+        load_winners_json(path)  # validate before the DB is opened, let alone written
+    except (OSError, WinnersFileError) as exc:
+        fail(f"cannot import {path}: {exc}")
+    store = _open_store(db)
+    s = import_winners(store, path)
+    console.print(f"imported {s.trials} winners into {store.url}: {s.won} now win their "
+                  f"shape; {s.not_current} kept as trials only (backend unknown here or "
+                  "kernel sources differ)")
+
+
 def main() -> None:
     app()
+
+
+from mla_tune.route_cli import route  # noqa: E402 - registered last, keeps cli.py's order
+app.command("route")(route)

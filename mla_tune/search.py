@@ -9,11 +9,15 @@ ask Optuna's samplers, within a budget of distinct measured configs per (key, ba
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator, Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optuna
 from optuna.distributions import CategoricalDistribution
+
+# Optuna exports no public check; its own optimize loop uses this one.
+from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import TrialState
 
 from mla_tune.space import ParamSpace, config_key
@@ -47,7 +51,11 @@ Objective = Callable[[dict[str, Any]], float | None]
 
 
 class SearchDriver:
-    """Proposes configs one at a time and mirrors each result into an Optuna study."""
+    """Proposes configs and mirrors each result into an Optuna study.
+
+    Several configs may be out for measurement at once (`ask` several times, then `tell`
+    each result), so a pool of workers can be kept busy.
+    """
 
     def __init__(self, study: optuna.Study, space: ParamSpace,
                  candidates: list[dict[str, Any]], strategy: Strategy,
@@ -60,23 +68,75 @@ class SearchDriver:
                               for name, choices in space.params}
         self._feasible = {config_key(c) for c in candidates}
         self.budget = budget
+        # Configs handed out and not told yet, with the Optuna trial they were asked as.
+        self._pending: dict[str, optuna.Trial | None] = {}
+        self._stale = 0
+        self._heartbeat = is_heartbeat_enabled(study._storage)
+        if self._heartbeat:  # fail trials a killed process left RUNNING
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                optuna.storages.fail_stale_trials(study)
 
     def remaining(self) -> int:
-        """Configs still to measure under the budget."""
-        todo = sum(1 for c in self.candidates if config_key(c) not in self.measured)
+        """Configs still to measure under the budget (not counting those out now)."""
+        todo = sum(1 for c in self.candidates
+                   if config_key(c) not in self.measured and config_key(c) not in self._pending)
         if self.budget is None:
             return todo
-        return max(0, min(todo, self.budget - len(self.measured)))
+        return max(0, min(todo, self.budget - len(self.measured) - len(self._pending)))
+
+    def grid_todo(self) -> list[dict[str, Any]]:
+        """The grid configs still to measure under the budget, in grid order."""
+        todo = [c for c in self.candidates
+                if config_key(c) not in self.measured and config_key(c) not in self._pending]
+        return todo[:self.remaining()]
+
+    def ask(self) -> dict[str, Any] | None:
+        """The next config to measure, or None when the budget or the candidates are used
+        up. `grid` walks the grid; `tpe`/`random` ask the sampler and, once it only
+        repeats itself, fill the budget from the grid."""
+        if self.remaining() <= 0:
+            return None
+        if self.strategy is not Strategy.GRID:
+            config = self._ask_sampler()
+            if config is not None:
+                return config
+        todo = self.grid_todo()
+        if not todo:
+            return None
+        self._pending[config_key(todo[0])] = None
+        return todo[0]
+
+    def tell(self, config: dict[str, Any], value: float | None) -> None:
+        """The result of `config` (its time, or None when the variant is not ok), whether
+        asked here or measured by another process."""
+        key = config_key(config)
+        trial = self._pending.pop(key, None)
+        self.measured[key] = value
+        self._tell(config, trial, value)
+
+    def keep_alive(self) -> None:
+        """Heartbeat the Optuna trials out for measurement, so they are not failed as
+        stale while a worker is still on them."""
+        if self._heartbeat:
+            for trial in self._pending.values():
+                if trial is not None:
+                    self.study._storage.record_heartbeat(trial._trial_id)
+
+    def abandon(self) -> None:
+        """Close the Optuna trials of configs out for measurement (a stopped sweep); the
+        configs are measured by the next run."""
+        for trial in self._pending.values():
+            if trial is not None:
+                self.study.tell(trial, state=TrialState.FAIL)
+        self._pending.clear()
 
     def run(self, objective: Objective) -> int:
-        """Measure configs with `objective` (returns the time, or None when the variant is
-        not ok) until done; returns how many new configs were measured."""
-        gen = self._grid() if self.strategy is Strategy.GRID else self._sampled()
+        """Measure configs one at a time with `objective` (returns the time, or None when
+        the variant is not ok) until done; returns how many were measured."""
         count = 0
-        for config, trial in gen:
-            value = objective(config)
-            self.measured[config_key(config)] = value
-            self._tell(config, trial, value)
+        while (config := self.ask()) is not None:
+            self.tell(config, objective(config))
             count += 1
         return count
 
@@ -92,35 +152,24 @@ class SearchDriver:
             params=config, distributions=self.distributions, value=value,
             state=TrialState.COMPLETE if value is not None else TrialState.FAIL))
 
-    def _grid(self) -> Iterator[tuple[dict[str, Any], None]]:
-        left = self.remaining()
-        for config in self.candidates:
-            if left <= 0:
-                return
-            if config_key(config) in self.measured:
-                continue
-            left -= 1
-            yield config, None
-
-    def _sampled(self) -> Iterator[tuple[dict[str, Any], optuna.Trial | None]]:
-        """Ask the sampler; once it only repeats itself, fill the budget from the grid."""
-        stale = 0
-        while self.remaining() > 0 and stale < _MAX_STALE_ASKS:
-            trial = self.study.ask(self.distributions)
+    def _ask_sampler(self) -> dict[str, Any] | None:
+        """A new feasible config from the sampler, or None once it has proposed only
+        infeasible or known configs _MAX_STALE_ASKS times in a row."""
+        while self._stale < _MAX_STALE_ASKS:
+            with warnings.catch_warnings():  # ask/tell with heartbeats is what we want
+                warnings.filterwarnings("ignore", message="Heartbeat of storage")
+                trial = self.study.ask(self.distributions)
             config = dict(trial.params)
             key = config_key(config)
-            if key not in self._feasible:
+            if key not in self._feasible or key in self._pending:
                 self.study.tell(trial, state=TrialState.FAIL)
-                stale += 1
-                continue
-            if key in self.measured:
-                prior = self.measured[key]
-                if prior is None:
-                    self.study.tell(trial, state=TrialState.FAIL)
-                else:
-                    self.study.tell(trial, prior)
-                stale += 1
-                continue
-            stale = 0
-            yield config, trial
-        yield from self._grid()
+            elif key in self.measured:
+                self._tell(config, trial, self.measured[key])
+            else:
+                self._stale = 0
+                self._pending[key] = trial
+                if self._heartbeat:
+                    self.study._storage.record_heartbeat(trial._trial_id)
+                return config
+            self._stale += 1
+        return None

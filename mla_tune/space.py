@@ -85,20 +85,38 @@ class ParamSpace:
         return out
 
     def restrict(self, fixed: Mapping[str, Any]) -> "ParamSpace":
-        """Pin some parameters to given values (each must be a declared choice)."""
-        items = []
-        for name, values in self.params:
-            if name in fixed:
-                v = fixed[name]
-                if v not in values:
-                    raise ConfigError(f"{name}={v!r} is not one of {list(values)}")
-                items.append((name, (v,)))
-            else:
-                items.append((name, values))
+        """Narrow some parameters to a value or a list of values (each a declared choice)."""
         unknown = set(fixed) - set(self.names)
         if unknown:
             raise ConfigError(f"unknown parameter(s) {sorted(unknown)}; space has {self.names}")
+        items = []
+        for name, values in self.params:
+            if name in fixed:
+                wanted = fixed[name] if isinstance(fixed[name], (list, tuple)) else [fixed[name]]
+                for v in wanted:
+                    if v not in values:
+                        raise ConfigError(f"{name}={v!r} is not one of {list(values)}")
+                items.append((name, tuple(v for v in values if v in wanted)))
+            else:
+                items.append((name, values))
         return ParamSpace(tuple(items))
+
+
+def parse_pin(text: str) -> tuple[str, str, list[Scalar]]:
+    """Parse `backend.knob=v1,v2` (values as TOML scalars or bare words) into its parts."""
+    head, sep, values = text.partition("=")
+    backend, dot, knob = head.strip().partition(".")
+    if not (sep and dot and backend and knob and values.strip()):
+        raise ConfigError(f"bad pin {text!r}: expected BACKEND.KNOB=VALUE[,VALUE...], "
+                          "e.g. triton.num_splits=1,4")
+    parsed: list[Scalar] = []
+    for raw in values.split(","):
+        raw = raw.strip()
+        try:
+            parsed.append(tomllib.loads(f"v = {raw}")["v"])
+        except tomllib.TOMLDecodeError:
+            parsed.append(raw)
+    return backend, knob.strip(), parsed
 
 
 def config_key(config: Mapping[str, Any]) -> str:

@@ -1,40 +1,64 @@
 """The sweep: for each shape, every available backend's candidates are built, verified
 against the float32 reference, timed, and stored; then the shape's winner is updated.
 
+Candidates run in worker processes (`mla_tune.workers`), one per device slot, never in
+this process: a variant that crashes, hangs or exhausts memory costs one recorded trial,
+not the sweep. The candidates of each (shape, backend) are a queue in the tuning DB
+(`TuningStore.enqueue` / `claim`), so several sweeps on one database — on one machine or
+on many sharing a PostgreSQL server — measure each candidate once, and a sweep killed at
+any moment leaves claims that the next run takes over (at once when the dead sweep ran on
+the same machine, else when its heartbeats stop for `stale_after_s`).
+
 Library baselines (FlashInfer, aiter) and the torch family are always timed when
 available, so every winner can be compared with what users already have.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import socket
+import time
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import optuna
 import torch
 
-from mla_tune.backends import Backend, backend_names, get_backend
-from mla_tune.db import TuningStore, WinnerRow
-from mla_tune.evaluate import TrialOutcome, evaluate
-from mla_tune.fingerprint import current_device, current_software
-from mla_tune.problem import Shape, generate_input
-from mla_tune.reference import mla_decode_reference
+from mla_tune.backends import Backend, backend_names, get_backend, source_hashes
+from mla_tune.db import ClaimRow, TrialGroup, TuningStore, WinnerRow
+from mla_tune.evaluate import TrialOutcome
+from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint, current_software
+from mla_tune.problem import Shape
 from mla_tune.search import SearchDriver, Strategy, make_sampler, study_name
-from mla_tune.timing import TimingPolicy, make_timer
-from mla_tune.verify import tolerance_for
+from mla_tune.timing import TimingPolicy
+from mla_tune.workers import BandwidthJob, Done, TrialJob, WorkerPool, WorkerPoolError
 
 BASELINE_BACKENDS = ("flashinfer", "aiter", "torch")
+# How often an idle sweep looks again for candidates other sweeps hold.
+_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
 class SweepOptions:
-    device: str = "cpu"
+    """How to sweep. `devices` has one entry per worker process (`cuda:0`, `cuda:1`, or
+    `cpu`); their device fingerprints must match, since their timings are pooled."""
+
+    devices: tuple[str, ...] = ("cpu",)
     strategy: Strategy = Strategy.GRID
     budget: int | None = None
     seed: int = 0
     policy: TimingPolicy = field(default_factory=TimingPolicy)
     baselines: bool = True
+    candidate_timeout_s: float = 120.0
+    # Per backend, knobs narrowed to some of their declared values (`--pin`).
+    pins: Mapping[str, Mapping[str, list[Any]]] = field(default_factory=dict)
+    heartbeat_s: float = 5.0
+    stale_after_s: float = 60.0
+
+
+class SweepError(RuntimeError):
+    """The sweep cannot run as asked; the message says why."""
 
 
 @dataclass
@@ -51,6 +75,18 @@ class ShapeResult:
     shape: Shape
     winner: WinnerRow | None
     backends: list[BackendSummary]
+
+
+class SweepInterrupted(Exception):
+    """Raised after a clean stop (Ctrl-C, SIGTERM): every finished trial is stored, the
+    candidates that were running are back in the queue, and re-running the same command
+    finishes the rest."""
+
+    def __init__(self, results: list[ShapeResult], new_trials: int, requeued: int) -> None:
+        super().__init__(f"sweep interrupted after {new_trials} new trials")
+        self.results = results
+        self.new_trials = new_trials
+        self.requeued = requeued
 
 
 class SweepObserver(Protocol):
@@ -74,10 +110,286 @@ def resolve_backends(names: Sequence[str] | None, baselines: bool) -> list[Backe
     return [get_backend(n) for n in dict.fromkeys(chosen)]
 
 
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()[:8]
+    except OSError:
+        return "-"
+
+
+def owner_id() -> str:
+    """Who holds a claim: host, boot and process, so a sweep on the same machine can tell
+    that the holder is dead without waiting for its heartbeats to go stale."""
+    return f"{socket.gethostname()}/{_boot_id()}/{os.getpid()}"
+
+
+def owner_is_dead(owner: str) -> bool:
+    """True only when `owner` ran on this machine (same host, same boot) and its process
+    is gone; a holder elsewhere is judged by its heartbeats alone."""
+    host, boot, pid = (owner.rsplit("/", 2) + ["", "", ""])[:3]
+    if host != socket.gethostname() or boot != _boot_id() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+@dataclass
+class _Group:
+    """One (shape, backend): its queue key, search driver and progress."""
+
+    shape: Shape
+    backend: Backend
+    key: TrialGroup
+    driver: SearchDriver
+    summary: BackendSummary
+    running: int = 0
+    done: bool = False
+
+
+@dataclass
+class _ShapeRun:
+    shape: Shape
+    summaries: list[BackendSummary]
+    groups: list[_Group]
+    result: ShapeResult | None = None
+
+
+class _Sweep:
+    """The driver loop: keeps every worker busy with claimed candidates, stores results,
+    heartbeats its claims, and finishes each shape once all its candidates are stored."""
+
+    def __init__(self, shapes: Sequence[Shape], usable: list[Backend],
+                 skipped: dict[str, str], store: TuningStore, options: SweepOptions,
+                 observer: SweepObserver | None, pool: WorkerPool,
+                 dev_fp: DeviceFingerprint, sw_fp: SoftwareFingerprint) -> None:
+        self.shapes, self.usable, self.skipped = list(shapes), usable, skipped
+        self.store, self.options, self.observer, self.pool = store, options, observer, pool
+        self.device = torch.device(options.devices[0])
+        self.dev_hash, self.sw_hash = dev_fp.hash, sw_fp.hash
+        self.device_id = store.device_id(dev_fp)
+        self.software_id = store.software_id(sw_fp)
+        self.sources = source_hashes()
+        self.owner = owner_id()
+        self.dead: set[str] = set()
+        self.runs: list[_ShapeRun] = []
+        self.out: dict[int, tuple[_Group, dict[str, Any]]] = {}
+        self.new_trials = 0
+        self.storage = store.optuna_storage(heartbeat_s=max(1, round(options.heartbeat_s)),
+                                            grace_s=max(1, round(options.stale_after_s)))
+        self.next_beat = time.monotonic() + options.heartbeat_s
+
+    def run(self) -> list[ShapeResult]:
+        self._measure_bandwidth()
+        while not self._finished():
+            self._fill()
+            now = time.monotonic()
+            wait_s = max(0.0, self.next_beat - now)
+            if not self.pool.busy:
+                wait_s = min(wait_s, _POLL_S)  # waiting on candidates other sweeps hold
+            for done in self.pool.wait(wait_s):
+                self._handle(done)
+            if time.monotonic() >= self.next_beat:
+                self._heartbeat()
+            if not self.pool.alive:
+                raise SweepError("every worker failed to restart; see the last trials' "
+                                 "errors for the cause")
+        return self.results()
+
+    def stop(self) -> int:
+        """Clean stop: end the workers, close asked Optuna trials, and put this sweep's
+        running claims back in the queue. Returns how many were put back."""
+        self.pool.close()
+        for r in self.runs:
+            for g in r.groups:
+                g.driver.abandon()
+        return self.store.release(self.owner)
+
+    def results(self) -> list[ShapeResult]:
+        return [r.result for r in self.runs if r.result is not None]
+
+    def _finished(self) -> bool:
+        return len(self.runs) == len(self.shapes) and all(r.result for r in self.runs)
+
+    def _measure_bandwidth(self) -> None:
+        """Measure the device's read bandwidth once (a GPU with no stored value), on a
+        worker like any candidate, while the other workers start tuning."""
+        if self.device.type != "cuda":
+            return
+        row = next(d for d in self.store.devices() if d.id == self.device_id)
+        if row.read_bw_gbps is None:
+            self.pool.submit(self.pool.idle()[0], BandwidthJob(),
+                             self.options.candidate_timeout_s)
+
+    def _fill(self) -> None:
+        for slot in self.pool.idle():
+            job = self._next_job()
+            if job is None:
+                return
+            group, config = job
+            self.pool.submit(slot, TrialJob(group.shape.to_json(), group.backend.name, config),
+                             self.options.candidate_timeout_s)
+            self.out[slot] = (group, config)
+            group.running += 1
+
+    def _next_job(self) -> tuple[_Group, dict[str, Any]] | None:
+        """A claimed candidate from the earliest shape that has one, opening the next
+        shape when the open ones have nothing claimable (keeps every worker busy)."""
+        while True:
+            for r in self.runs:
+                if r.result is not None:
+                    continue
+                for g in r.groups:
+                    if not g.done:
+                        config = self._claim(g)
+                        if config is not None:
+                            return g, config
+                self._maybe_finish(r)
+            if len(self.runs) == len(self.shapes):
+                return None
+            self._open(self.shapes[len(self.runs)])
+
+    def _claim(self, g: _Group) -> dict[str, Any] | None:
+        config = self._take(g)
+        if config is None and g.running == 0:
+            left = self.store.claims(g.key)
+            if not left:
+                g.done = True
+            elif self._note_dead(left):
+                config = self._take(g)
+        return config
+
+    def _take(self, g: _Group) -> dict[str, Any] | None:
+        """Claim a queued (or abandoned) candidate of `g`; for sampled strategies, ask
+        the sampler for new ones and claim those."""
+        config = self.store.claim(g.key, self.owner, stale_after_s=self.options.stale_after_s,
+                                  dead_owners=self.dead)
+        if config is not None or self.options.strategy is Strategy.GRID:
+            return config
+        while (proposal := g.driver.ask()) is not None:
+            config = self.store.claim(g.key, self.owner,
+                                      stale_after_s=self.options.stale_after_s,
+                                      dead_owners=self.dead, config=proposal)
+            if config is not None:
+                return config
+            g.driver.tell(proposal, None)  # measured or being measured by another sweep
+        return None
+
+    def _note_dead(self, claims: Collection[ClaimRow]) -> bool:
+        """Remember holders of `claims` that died on this machine; True if any is new."""
+        owners = {c.claimed_by for c in claims if c.state == "running" and c.claimed_by}
+        new = {o for o in owners - self.dead - {self.owner} if owner_is_dead(o)}
+        self.dead |= new
+        return bool(new)
+
+    def _open(self, shape: Shape) -> None:
+        if self.observer:
+            self.observer.shape_started(shape, [b.name for b in self.usable]
+                                        + list(self.skipped))
+        summaries = [BackendSummary(n, skipped=r) for n, r in self.skipped.items()]
+        run = _ShapeRun(shape, summaries, [])
+        self.runs.append(run)
+        for backend in self.usable:
+            summary = BackendSummary(backend.name)
+            summaries.append(summary)
+            reason = backend.supports(shape)
+            if reason:
+                summary.skipped = reason
+                continue
+            source = self.sources[backend.name]
+            key = TrialGroup(self.device_id, self.software_id, shape.key, backend.name, source)
+            prior = self.store.measured(self.device_id, self.software_id, shape.key,
+                                        backend.name, source)
+            measured = {k: (t.median_us if t.status == "ok" else None) for k, t in prior.items()}
+            summary.reused_trials = len(measured)
+            oks = [v for v in measured.values() if v is not None]
+            summary.best_us = min(oks) if oks else None
+            study = optuna.create_study(
+                storage=self.storage, load_if_exists=True, direction="minimize",
+                study_name=study_name(self.dev_hash, self.sw_hash, shape.key,
+                                      backend.name, source),
+                sampler=make_sampler(self.options.strategy, self.options.seed))
+            driver = SearchDriver(study, backend.declared_space(self.device),
+                                  backend.candidates(shape, self.device,
+                                                     self.options.pins.get(backend.name)),
+                                  self.options.strategy, self.options.budget, measured)
+            if self.observer:
+                self.observer.backend_started(shape, backend.name, driver.remaining())
+            if self.options.strategy is Strategy.GRID:
+                self.store.enqueue(key, driver.grid_todo())
+            run.groups.append(_Group(shape, backend, key, driver, summary))
+        self._maybe_finish(run)
+
+    def _maybe_finish(self, run: _ShapeRun) -> None:
+        """Store the shape's winner once every candidate of it is stored (by any sweep)."""
+        if run.result is not None or not all(g.done for g in run.groups):
+            return
+        winner = self.store.update_winner(self.device_id, self.software_id, run.shape.key,
+                                          self.sources)
+        run.result = ShapeResult(run.shape, winner, run.summaries)
+        if self.observer:
+            self.observer.shape_done(run.result)
+
+    def _handle(self, done: Done) -> None:
+        if isinstance(done.job, BandwidthJob):
+            if done.result:
+                self.store.set_read_bandwidth(self.device_id, done.result)
+            return
+        g, config = self.out.pop(done.slot)
+        outcome: TrialOutcome = done.result
+        self.store.record_trial(
+            device_id=self.device_id, software_id=self.software_id, shape_key=g.shape.key,
+            shape_json=g.shape.to_json(), kv_format=g.shape.kv_format.value,
+            backend=g.backend.name, source_hash=g.key.source_hash, config=config,
+            status=outcome.status, stats=outcome.stats.to_dict() if outcome.stats else None,
+            max_abs_err=outcome.max_abs_err, mismatch_frac=outcome.mismatch_frac,
+            error=outcome.error, worker=self.pool.label(done.slot))
+        self.new_trials += 1
+        g.running -= 1
+        g.summary.new_trials += 1
+        value = outcome.stats.median_us if outcome.stats else None
+        g.driver.tell(config, value)
+        if value is not None and (g.summary.best_us is None or value < g.summary.best_us):
+            g.summary.best_us = value
+        if self.observer:
+            self.observer.trial_done(g.shape, g.backend.name, config, outcome,
+                                     g.summary.best_us)
+
+    def _heartbeat(self) -> None:
+        self.store.heartbeat(self.owner)
+        for r in self.runs:
+            for g in r.groups:
+                if not g.done:
+                    g.driver.keep_alive()
+        self.next_beat = time.monotonic() + self.options.heartbeat_s
+
+
+def _pooled_fingerprint(started: Sequence[tuple[str, DeviceFingerprint]]) -> DeviceFingerprint:
+    """The one fingerprint of all workers' devices: timings are pooled only across
+    identical devices, so mixed GPUs are refused."""
+    fingerprints = {fp for _, fp in started}
+    if len(fingerprints) > 1:
+        seen = ", ".join(f"{d}: {fp.name} ({fp.arch}, {fp.sm_count} SMs, "
+                         f"{fp.memory_bytes / 2**30:.0f} GiB)" for d, fp in started)
+        raise SweepError(f"the GPUs differ ({seen}); their timings cannot be pooled. Run one "
+                         "sweep per GPU model, e.g. --device cuda:0")
+    return started[0][1]
+
+
 def run_sweep(shapes: Sequence[Shape], backends: Sequence[Backend], store: TuningStore,
               options: SweepOptions, observer: SweepObserver | None = None) -> list[ShapeResult]:
-    """Tune every shape; trials already stored for the same key are reused, never re-run."""
-    device = torch.device(options.device)
+    """Tune every shape; trials already stored for the same key are reused, never re-run.
+
+    Raises SweepInterrupted on Ctrl-C/SIGTERM (after a clean stop) and SweepError when no
+    worker can run or the devices differ."""
+    if not options.devices:
+        raise SweepError("no device to sweep on")
+    device = torch.device(options.devices[0])
     usable: list[Backend] = []
     skipped: dict[str, str] = {}
     for b in backends:
@@ -89,69 +401,31 @@ def run_sweep(shapes: Sequence[Shape], backends: Sequence[Backend], store: Tunin
     versions: dict[str, str] = {}
     for b in usable:
         versions.update(b.versions())
-    dev_fp, sw_fp = current_device(device), current_software(versions)
-    device_id, software_id = store.device_id(dev_fp), store.software_id(sw_fp)
-    sources = {n: get_backend(n).source_hash() for n in backend_names()}
-    timer = make_timer(device, options.policy)
-    storage = store.optuna_storage()
-
-    results = []
-    for shape in shapes:
-        if observer:
-            observer.shape_started(shape, [b.name for b in backends])
-        data = generate_input(shape, seed=options.seed, device=device)
-        ref = mla_decode_reference(*data, kv_format=shape.kv_format.value)
-        tol = tolerance_for(shape.kv_format)
-        summaries = [BackendSummary(n, skipped=r) for n, r in skipped.items()]
-        for backend in usable:
-            summary = BackendSummary(backend.name)
-            summaries.append(summary)
-            reason = backend.supports(shape)
-            if reason:
-                summary.skipped = reason
-                continue
-            source = sources[backend.name]
-            prior = store.measured(device_id, software_id, shape.key, backend.name, source)
-            measured = {k: (t.median_us if t.status == "ok" else None) for k, t in prior.items()}
-            summary.reused_trials = len(measured)
-            oks = [v for v in measured.values() if v is not None]
-            summary.best_us = min(oks) if oks else None
-            study = optuna.create_study(
-                storage=storage, load_if_exists=True, direction="minimize",
-                study_name=study_name(dev_fp.hash, sw_fp.hash, shape.key, backend.name, source),
-                sampler=make_sampler(options.strategy, options.seed))
-            driver = SearchDriver(study, backend.declared_space(device),
-                                  backend.candidates(shape, device), options.strategy,
-                                  options.budget, measured)
-            if observer:
-                observer.backend_started(shape, backend.name, driver.remaining())
-
-            def objective(config: dict[str, Any], backend: Backend = backend,
-                          summary: BackendSummary = summary) -> float | None:
-                outcome = evaluate(backend, shape, config, device, data, ref, tol, timer)
-                store.record_trial(
-                    device_id=device_id, software_id=software_id, shape_key=shape.key,
-                    shape_json=shape.to_json(), kv_format=shape.kv_format.value,
-                    backend=backend.name, source_hash=sources[backend.name], config=config,
-                    status=outcome.status,
-                    stats=outcome.stats.to_dict() if outcome.stats else None,
-                    max_abs_err=outcome.max_abs_err, mismatch_frac=outcome.mismatch_frac,
-                    error=outcome.error)
-                value = outcome.stats.median_us if outcome.stats else None
-                if value is not None and (summary.best_us is None or value < summary.best_us):
-                    summary.best_us = value
-                if observer:
-                    observer.trial_done(shape, backend.name, config, outcome, summary.best_us)
-                return value
-
-            summary.new_trials = driver.run(objective)
-        winner = store.update_winner(device_id, software_id, shape.key, sources)
-        result = ShapeResult(shape, winner, summaries)
-        results.append(result)
-        if observer:
-            observer.shape_done(result)
-    return results
+    # Workers import each backend by path, so backends registered at run time reach them.
+    paths = {b.name: f"{type(b).__module__}:{type(b).__qualname__}" for b in usable}
+    with WorkerPool(options.devices, paths, options.policy, options.seed) as pool:
+        sweep: _Sweep | None = None
+        try:
+            dev_fp = _pooled_fingerprint(pool.start())
+            sweep = _Sweep(shapes, usable, skipped, store, options, observer, pool, dev_fp,
+                           current_software(versions))
+            return sweep.run()
+        except WorkerPoolError as exc:
+            raise SweepError(str(exc)) from None
+        except KeyboardInterrupt:
+            if sweep is None:
+                raise SweepInterrupted([], 0, 0) from None
+            requeued = sweep.stop()
+            raise SweepInterrupted(sweep.results(), sweep.new_trials, requeued) from None
+        except BaseException:
+            if sweep is not None:
+                sweep.stop()
+            raise
+        finally:
+            if sweep is not None:
+                sweep.storage.engine.dispose()
 
 
-__all__ = ["BackendSummary", "ShapeResult", "SweepObserver", "SweepOptions",
-           "resolve_backends", "run_sweep"]
+__all__ = ["BackendSummary", "ShapeResult", "SweepError", "SweepInterrupted",
+           "SweepObserver", "SweepOptions", "owner_id", "owner_is_dead", "resolve_backends",
+           "run_sweep"]

@@ -22,8 +22,10 @@ class SweepProgress:
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(),
                                  TextColumn("{task.fields[best]}"), console=console)
-        self._task: Any = None
-        self._best: float | None = None
+        # Workers move on to the next shape while the last candidates of one still run,
+        # so bars and best times are kept per shape (and bar per backend).
+        self._tasks: dict[tuple[str, str], Any] = {}
+        self._best: dict[str, float] = {}
 
     def __enter__(self) -> "SweepProgress":
         self.progress.start()
@@ -34,32 +36,33 @@ class SweepProgress:
         self.progress.stop()
 
     def shape_started(self, shape: Shape, backends: Sequence[str]) -> None:
-        self._best = None
+        self._best.pop(shape.key, None)
 
     def backend_started(self, shape: Shape, backend: str, todo: int) -> None:
-        if self._task is not None:
-            self.progress.remove_task(self._task)
-        self._task = self.progress.add_task(f"{shape.label()} · {backend}", total=todo,
-                                            best=self._best_text())
+        self._tasks[shape.key, backend] = self.progress.add_task(
+            f"{shape.label()} · {backend}", total=todo, best=self._best_text(shape))
 
     def trial_done(self, shape: Shape, backend: str, config: dict[str, Any],
                    outcome: TrialOutcome, best_us: float | None) -> None:
-        if outcome.stats and (self._best is None or outcome.stats.median_us < self._best):
-            self._best = outcome.stats.median_us
+        best = self._best.get(shape.key)
+        if outcome.stats and (best is None or outcome.stats.median_us < best):
+            self._best[shape.key] = outcome.stats.median_us
             self.console.print(f"  best so far {shape.label()}: {backend} "
-                               f"{json.dumps(config, sort_keys=True)} {self._best:.1f} µs",
-                               highlight=False)
-        elif outcome.status != "ok":
-            self.console.print(f"  {outcome.status}: {backend} "
                                f"{json.dumps(config, sort_keys=True)} "
-                               f"{(outcome.error or '').splitlines()[0][:120] if outcome.error else ''}",
+                               f"{outcome.stats.median_us:.1f} µs", highlight=False)
+        elif outcome.status != "ok":
+            first = outcome.error.splitlines()[0][:120] if outcome.error else ""
+            self.console.print(f"  {outcome.status}: {backend} "
+                               f"{json.dumps(config, sort_keys=True)} {first}",
                                highlight=False, style="dim")
-        self.progress.update(self._task, advance=1, best=self._best_text())
+        task = self._tasks.get((shape.key, backend))
+        if task is not None:
+            self.progress.update(task, advance=1, best=self._best_text(shape))
 
     def shape_done(self, result: Any) -> None:
-        if self._task is not None:
-            self.progress.remove_task(self._task)
-            self._task = None
+        for key in [k for k in self._tasks if k[0] == result.shape.key]:
+            self.progress.remove_task(self._tasks.pop(key))
 
-    def _best_text(self) -> str:
-        return f"best {self._best:.1f} µs" if self._best is not None else ""
+    def _best_text(self, shape: Shape) -> str:
+        best = self._best.get(shape.key)
+        return f"best {best:.1f} µs" if best is not None else ""

@@ -1,6 +1,7 @@
 """End-to-end CLI runs on a temporary SQLite DB (real torch family on CPU)."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -33,8 +34,17 @@ def test_sweep_then_report_one_winner_per_format_and_no_duplicates(tmp_path):
     r2 = _sweep(db, "--shape", "4x64", "--backend", "torch")
     assert r2.exit_code == 0, r2.output
     assert len(TuningStore(str(db)).trials()) == n_trials
-    table = runner.invoke(app, ["report", "--db", str(db)])
+    table = runner.invoke(app, ["report", "--db", str(db)], env={"COLUMNS": "250"})
     assert table.exit_code == 0 and "4x64 fp8" in table.stdout
+
+
+@pytest.fixture(scope="module")
+def seeded_db(tmp_path_factory):
+    """A DB holding one sweep, made once (a sweep starts worker processes): each bad-input
+    case gets its own copy."""
+    db = tmp_path_factory.mktemp("seeded") / "tuning.db"
+    assert _sweep(db, "--shape", "2x32", "--backend", "torch", "-f", "bf16").exit_code == 0
+    return db
 
 
 @pytest.mark.parametrize("args, message", [
@@ -46,15 +56,30 @@ def test_sweep_then_report_one_winner_per_format_and_no_duplicates(tmp_path):
     (["--shape", "4x64", "--kv-format", "int4"], "unknown kv format"),
     (["--suite", "nope"], "unknown suite"),
     (["--shape", "4x64", "--strategy", "annealing"], "unknown strategy"),
+    (["--shape", "4x64", "--gpus", "2"], "--gpus needs --device cuda"),
+    (["--shape", "4x64", "--pin", "torch.num_splits=3"], "--pin"),
+    (["--shape", "4x64", "--pin", "torch.warp_size=1"], "unknown parameter"),
+    (["--shape", "4x64", "--pin", "num_splits=1"], "bad pin"),
 ])
-def test_bad_input_exits_2_and_leaves_db_unchanged(tmp_path, args, message):
+def test_bad_input_exits_2_and_leaves_db_unchanged(tmp_path, seeded_db, args, message):
     db = tmp_path / "tuning.db"
-    assert _sweep(db, "--shape", "2x32", "--backend", "torch", "-f", "bf16").exit_code == 0
+    shutil.copy(seeded_db, db)
     before = db.read_bytes()
     r = _sweep(db, *args)
     assert r.exit_code == 2
     assert message in r.output
     assert db.read_bytes() == before
+
+
+def test_pins_narrow_the_candidates(tmp_path):
+    db = tmp_path / "tuning.db"
+    r = _sweep(db, "--shape", "2x512", "-f", "bf16", "--backend", "torch", "--no-baseline",
+               "--pin", "torch.num_splits=1", "--pin", "torch.compute_dtype=float32")
+    assert r.exit_code == 0, r.output
+    configs = [t.config for t in TuningStore(str(db)).trials()]
+    assert configs and all(c["num_splits"] == 1 and c["compute_dtype"] == "float32"
+                           for c in configs)
+    assert len(configs) == 2  # chunk_size 0 and 256 remain
 
 
 def test_non_sqlite_and_unreadable_db_are_refused(tmp_path):

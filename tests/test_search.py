@@ -58,3 +58,37 @@ def test_sampled_search_exhausts_small_space():
     cands = [{"bn": 16, "splits": 1}, {"bn": 64, "splits": 8}]
     d, _ = _driver(Strategy.RANDOM, candidates=cands)
     assert d.run(_cost) == 2
+
+
+def test_several_asks_out_at_once_never_repeat_and_respect_the_budget():
+    for strategy in (Strategy.GRID, Strategy.TPE):
+        d, _ = _driver(strategy, budget=5)
+        out = [d.ask() for _ in range(5)]
+        assert None not in out and len({config_key(c) for c in out}) == 5
+        assert d.ask() is None and d.remaining() == 0
+        for c in out:
+            d.tell(c, _cost(c))
+        assert d.ask() is None and len(d.measured) == 5
+
+
+def test_running_trials_of_a_dead_process_are_failed_unless_heartbeated(tmp_path):
+    import time
+
+    from mla_tune.db import TuningStore
+
+    def driver():
+        storage = store.optuna_storage(heartbeat_s=1, grace_s=1)
+        study = optuna.create_study(study_name="s", storage=storage, load_if_exists=True,
+                                    sampler=make_sampler(Strategy.TPE, 0))
+        return SearchDriver(study, SPACE, list(SPACE.grid()), Strategy.TPE, None, {}), study
+
+    with TuningStore(f"sqlite:///{tmp_path / 't.db'}") as store:
+        alive, _ = driver()
+        dead, _ = driver()
+        kept, lost = alive.ask(), dead.ask()
+        time.sleep(2.5)  # SQLite's clock has whole seconds
+        alive.keep_alive()
+        _, study = driver()  # opening the study fails stale RUNNING trials
+        states = {config_key(t.params): t.state for t in study.trials}
+        assert states == {config_key(kept): optuna.trial.TrialState.RUNNING,
+                          config_key(lost): optuna.trial.TrialState.FAIL}

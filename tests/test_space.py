@@ -43,3 +43,20 @@ def test_restrict_and_device_overrides():
     cpu = load_backend_space("torch", "cpu")
     gpu = load_backend_space("torch", "cuda")
     assert cpu.names == gpu.names and cpu.size() < gpu.size()
+
+
+def test_restrict_to_lists_keeps_declaration_order():
+    s = _space().restrict({"b": ["z", "x"], "c": False})
+    assert s.choices("b") == ("x", "z") and s.choices("c") == (False,)
+    assert s.size() == 4
+
+
+def test_parse_pin():
+    from mla_tune.space import parse_pin
+
+    assert parse_pin("triton.num_splits=1,4") == ("triton", "num_splits", [1, 4])
+    assert parse_pin("torch.compute_dtype=bfloat16") == ("torch", "compute_dtype", ["bfloat16"])
+    assert parse_pin("triton.fast_mode=true") == ("triton", "fast_mode", [True])
+    for bad in ("triton=1", "num_splits=1", "triton.num_splits=", "triton.x"):
+        with pytest.raises(ConfigError):
+            parse_pin(bad)

@@ -1,8 +1,11 @@
+import optuna
 import pytest
 
 from mla_tune.backends import get_backend, register
 from mla_tune.db import TuningStore
 from mla_tune.problem import Shape
+from mla_tune.search import Strategy
+from mla_tune.space import config_key
 from mla_tune.sweep import SweepOptions, run_sweep
 from mla_tune.timing import TimingPolicy
 
@@ -50,3 +53,21 @@ def test_budget_limits_new_measurements(store):
     run_sweep([shape], [get_backend("toy")], store,
               SweepOptions(policy=FAST, baselines=False, budget=4))
     assert len(store.trials(shape_key=shape.key)) == 4
+
+
+def test_sampled_search_claims_what_it_measures_and_leaves_no_running_trial(store):
+    shape = Shape.uniform(2, 8)
+    results = run_sweep([shape], [get_backend("toy")], store,
+                        SweepOptions(policy=FAST, baselines=False, budget=5,
+                                     strategy=Strategy.TPE))
+    trials = store.trials(shape_key=shape.key)
+    assert len(trials) == 5 and len({t.config_key for t in trials}) == 5
+    assert results[0].backends[0].new_trials == 5
+    summaries = optuna.get_all_study_summaries(store.optuna_storage())
+    study = optuna.load_study(study_name=summaries[0].study_name,
+                              storage=store.optuna_storage())
+    states = {t.state for t in study.trials}
+    assert optuna.trial.TrialState.RUNNING not in states
+    complete = {config_key(t.params) for t in study.trials
+                if t.state == optuna.trial.TrialState.COMPLETE}
+    assert complete == {t.config_key for t in trials if t.status == "ok"}

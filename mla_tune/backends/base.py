@@ -63,9 +63,14 @@ class Backend(ABC):
         """Prune points that cannot work for this shape (too many splits, etc.)."""
         return True
 
-    def candidates(self, shape: Shape, device: torch.device) -> list[dict[str, Any]]:
-        """The grid of feasible configs for `shape`, in a stable order."""
-        return [c for c in self.declared_space(device).grid() if self.feasible(shape, c)]
+    def candidates(self, shape: Shape, device: torch.device,
+                   pins: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """The grid of feasible configs for `shape`, in a stable order; `pins` narrows
+        knobs to given values (a value or a list per knob)."""
+        space = self.declared_space(device)
+        if pins:
+            space = space.restrict(pins)
+        return [c for c in space.grid() if self.feasible(shape, c)]
 
     def precheck(self, shape: Shape, config: Mapping[str, Any],
                  device: torch.device) -> str | None:

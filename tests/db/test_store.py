@@ -3,73 +3,28 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect, make_url, text
+from sqlalchemy import create_engine, inspect, text
 from sqlalchemy.exc import IntegrityError
 
 from mla_tune.db import DBError, TuningStore, resolve_url
 from mla_tune.db.models import VERSION_TABLE, Base, is_ours
 from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint
+from tests.db.conftest import GPU, SHAPE, SHAPE_KEY, STACK
 
 REPO = Path(__file__).resolve().parents[2]
-PG_ENV = "MLA_TUNE_TEST_PG_URL"
 OUR_TABLES = {"mt_devices", "mt_software", "mt_trials", "mt_winners", "mt_claims",
               VERSION_TABLE}
-
-GPU = DeviceFingerprint("nvidia", "NVIDIA H200", "sm_90", 132, 150 << 30)
-STACK = SoftwareFingerprint((("python", "3.11.7"), ("torch", "2.9.0"), ("triton", "3.5.0")))
-SHAPE = {"batch": 4, "kv_lens": 1024, "q_len": 1, "heads": 16, "kv_format": "bf16",
-         "page_size": 1}
-SHAPE_KEY = "b4-q1-kv1024-h16-bf16-p1"
 
 
 def _stats(median):
     return {"median_us": median, "mean_us": median + 0.5, "std_us": 0.1,
             "min_us": median - 0.2, "max_us": median + 1.0, "n": 50}
-
-
-@pytest.fixture
-def sqlite_url(tmp_path):
-    return f"sqlite:///{tmp_path / 'tuning.db'}"
-
-
-@pytest.fixture
-def pg_url():
-    """A fresh schema in the test PostgreSQL, dropped afterwards, so runs never collide."""
-    base = os.environ.get(PG_ENV)
-    if not base:
-        pytest.skip(f"set {PG_ENV} to run against PostgreSQL")
-    schema = f"mt_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(base)
-    with admin.begin() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    yield (make_url(base).update_query_dict({"options": f"-csearch_path={schema}"})
-           .render_as_string(hide_password=False))
-    with admin.begin() as conn:
-        conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-    admin.dispose()
-
-
-@pytest.fixture(params=["sqlite_url", "pg_url"], ids=["sqlite", "postgresql"])
-def url(request):
-    return request.getfixturevalue(request.param)
-
-
-@pytest.fixture
-def store(url):
-    with TuningStore(url) as s:
-        yield s
-
-
-@pytest.fixture
-def ids(store):
-    return {"device_id": store.device_id(GPU), "software_id": store.software_id(STACK)}
 
 
 def _record(store, ids, config, status="ok", median=10.0, backend="triton", source="src1",

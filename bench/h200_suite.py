@@ -1,0 +1,119 @@
+"""Tune a shape suite with the real sweep and print one table per KV format, as the
+leaderboard ranks it: our best Triton variant, the best library kernel (FlashInfer), the
+torch family, effective bandwidth, % of the read ceiling, and geometric means.
+
+Run on the H200 (see bench/results/ for recorded runs and their exact commands):
+    python3 bench/h200_suite.py --suite seeds --suite leaderboard-v1 --db bench/results/h200.db \
+        [--pin triton.num_splits=0,1,4 ...] [--gpus 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mla_tune.backends import backend_names, get_backend  # noqa: E402
+from mla_tune.db import TuningStore  # noqa: E402
+from mla_tune.fingerprint import current_device, current_software  # noqa: E402
+from mla_tune.problem import KVFormat, Shape  # noqa: E402
+from mla_tune.space import parse_pin  # noqa: E402
+from mla_tune.report import geomean  # noqa: E402
+from mla_tune.suites import suite_shapes  # noqa: E402
+from mla_tune.sweep import SweepOptions, run_sweep  # noqa: E402
+from mla_tune.timing import TimingPolicy  # noqa: E402
+
+READ_CEILING_GBPS = 4580.0  # streaming read measured on the H200 (platform.md)
+OURS, LIBRARY, TORCH = "triton", "flashinfer", "torch"
+
+
+def _best(store: TuningStore, device_id: int, shape: Shape, backend: str) -> float | None:
+    times = [t.median_us for t in store.trials(device_id=device_id, shape_key=shape.key,
+                                               backend=backend, status="ok")
+             if t.median_us is not None]
+    return min(times) if times else None
+
+
+def _fmt(v: float | None, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def tables(store: TuningStore, device_id: int, shapes: list[Shape], ceiling: float) -> str:
+    """Markdown: one table per KV format over `shapes`."""
+    lines: list[str] = []
+    for fmt in KVFormat:
+        group = [s for s in shapes if s.kv_format is fmt]
+        if not group:
+            continue
+        lines += [f"### {fmt.value} KV", "",
+                  f"| shape | {OURS} µs | {LIBRARY} µs | {TORCH} µs | ours vs lib | "
+                  "ours TB/s | % of read ceiling |", "|---|---|---|---|---|---|---|"]
+        cols: dict[str, list[float]] = {OURS: [], LIBRARY: [], TORCH: []}
+        for s in group:
+            t = {b: _best(store, device_id, s, b) for b in cols}
+            for b, v in t.items():
+                if v is not None:
+                    cols[b].append(v)
+            ours = t[OURS]
+            tbps = s.kv_bytes / (ours * 1e-6) / 1e12 if ours else None
+            ratio = t[LIBRARY] / ours if ours and t[LIBRARY] else None
+            lines.append(f"| {s.label()} | {_fmt(ours)} | {_fmt(t[LIBRARY])} | {_fmt(t[TORCH])} "
+                         f"| {_fmt(ratio, '.2f')}x | {_fmt(tbps, '.2f')} "
+                         f"| {_fmt(tbps * 1000 / ceiling * 100 if tbps else None, '.0f')}% |")
+        lines.append(f"| **geomean** | {_fmt(geomean(cols[OURS]))} | {_fmt(geomean(cols[LIBRARY]))} "
+                     f"| {_fmt(geomean(cols[TORCH]))} | | | |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--suite", action="append", default=[], help="suite name (repeatable)")
+    ap.add_argument("--kv-format", action="append", default=[], help="restrict formats")
+    ap.add_argument("--db", default="bench/results/h200.db")
+    ap.add_argument("--backend", action="append", default=[], help=f"default: {OURS} {LIBRARY} {TORCH}")
+    ap.add_argument("--time-budget", type=float, default=0.3, help="timing seconds per candidate")
+    ap.add_argument("--budget", type=int, default=None, help="max configs per shape and backend")
+    ap.add_argument("--strategy", default="grid")
+    ap.add_argument("--out", default=None, help="also write the markdown here")
+    ap.add_argument("--pin", action="append", default=[], help="BACKEND.KNOB=V1,V2 (as the CLI)")
+    ap.add_argument("--gpus", type=int, default=1, help="worker processes, one per GPU")
+    args = ap.parse_args()
+
+    from mla_tune.search import Strategy
+
+    formats = [KVFormat(f) for f in args.kv_format] or None
+    shapes: list[Shape] = []
+    for name in args.suite or ["seeds", "leaderboard-v1"]:
+        shapes += [s for s in suite_shapes(name, formats) if s not in shapes]
+    names = args.backend or [b for b in (OURS, LIBRARY, TORCH) if b in backend_names()]
+    backends = [get_backend(n) for n in names]
+    store = TuningStore(args.db)
+    pins: dict[str, dict[str, list]] = {}
+    for text in args.pin:
+        backend, knob, values = parse_pin(text)
+        pins.setdefault(backend, {})[knob] = values
+    options = SweepOptions(devices=tuple(f"cuda:{i}" for i in range(args.gpus)),
+                           strategy=Strategy(args.strategy), budget=args.budget,
+                           policy=TimingPolicy(budget_s=args.time_budget), baselines=False,
+                           pins=pins)
+    t0 = time.time()
+    run_sweep(shapes, backends, store, options, observer=None)
+    dev = current_device("cuda:0")
+    device_id = store.device_id(dev)
+    header = (f"## {dev.name}, {dt.date.today()} — {' '.join(sys.argv)}\n\n"
+              f"software: {', '.join(f'{k} {v}' for k, v in current_software().versions)}; "
+              f"cold L2, median µs; read ceiling {READ_CEILING_GBPS / 1000:.2f} TB/s; "
+              f"sweep wall time {time.time() - t0:.0f} s\n")
+    text = header + "\n" + tables(store, device_id, shapes, READ_CEILING_GBPS)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

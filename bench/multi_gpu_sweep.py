@@ -1,0 +1,110 @@
+"""Multi-GPU sweep scaling: the same sweep with `--gpus 2` and `--gpus 1`, each on a fresh
+tuning DB and a fresh Triton cache; prints both wall times and the speedup (issue 6's
+target on the two-GPU H200 machine: >= 1.8x on leaderboard-v1, bf16 KV).
+
+On the device machine, from the repository root (see ../shared/docs/platform.md):
+
+    source .device/setup.sh
+    python3 bench/multi_gpu_sweep.py --backend triton            # ~10 min for triton
+    python3 bench/multi_gpu_sweep.py --backend torch --time-budget 0.1 -- --budget 8
+
+Arguments after `--` go to both sweeps unchanged. The device's read bandwidth is measured
+once, before either timed run, and stored in both DBs, so neither sweep spends time on it.
+`--gpus 2` runs first: a library cache it warms (FlashInfer's JIT) can only favour
+`--gpus 1`, so the ratio is not flattered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mla_tune.db import TuningStore  # noqa: E402
+
+TARGET = 1.8
+_SEED_BANDWIDTH = """
+import sys
+from mla_tune.bandwidth import measure_read_bandwidth
+from mla_tune.db import TuningStore
+from mla_tune.fingerprint import current_device
+gbps = measure_read_bandwidth("cuda:0")
+print(f"read bandwidth {gbps:.0f} GB/s" if gbps else "read bandwidth: not measured")
+for db in sys.argv[1:]:
+    with TuningStore(db) as store:
+        if gbps:
+            store.set_read_bandwidth(store.device_id(current_device("cuda:0")), gbps)
+"""
+
+
+def _sweep(gpus: int, args: argparse.Namespace, work: Path) -> float:
+    """Run one sweep; returns its wall time in seconds (process start to exit)."""
+    db = work / f"gpus{gpus}.db"
+    cmd = [sys.executable, "-m", "mla_tune", "sweep", "--suite", args.suite,
+           "--kv-format", args.kv_format, "--backend", args.backend, "--no-baseline",
+           "--device", "cuda", "--gpus", str(gpus), "--db", str(db),
+           "--time-budget", str(args.time_budget), *args.extra]
+    env = dict(os.environ, TRITON_CACHE_DIR=str(work / f"triton-cache-{gpus}"))
+    log = work / f"gpus{gpus}.log"
+    print(f"--gpus {gpus}: {' '.join(cmd[1:])}", flush=True)
+    start = time.perf_counter()
+    with log.open("w") as out:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - start
+    if rc != 0:
+        sys.exit(f"--gpus {gpus} failed with exit code {rc}; last output:\n"
+                 + "\n".join(log.read_text(errors="replace").splitlines()[-30:]))
+    return wall
+
+
+def _summary(db: Path) -> str:
+    with TuningStore(str(db)) as store:
+        trials = store.trials()
+        winners = store.winners()
+    status = Counter(t.status for t in trials)
+    per_gpu = Counter(t.worker for t in trials)
+    geo = (math.exp(sum(math.log(w.median_us) for w in winners) / len(winners))
+           if winners else float("nan"))
+    return (f"{len(trials)} trials ({', '.join(f'{k} {v}' for k, v in sorted(status.items()))}); "
+            f"per GPU: {', '.join(f'{k} {v}' for k, v in sorted(per_gpu.items()))}; "
+            f"{len(winners)} winners, geomean {geo:.1f} us")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default="triton")
+    parser.add_argument("--suite", default="leaderboard-v1")
+    parser.add_argument("--kv-format", default="bf16")
+    parser.add_argument("--time-budget", type=float, default=0.2,
+                        help="seconds of timing per candidate (the CLI's default is 1.0)")
+    parser.add_argument("--out", type=Path, help="directory for the DBs and logs "
+                        "(default: a new temporary one)")
+    parser.add_argument("extra", nargs="*", help="more sweep options, after --")
+    args = parser.parse_args()
+
+    work = args.out or Path(tempfile.mkdtemp(prefix="mla-tune-multigpu-"))
+    work.mkdir(parents=True, exist_ok=True)
+    dbs = [str(work / f"gpus{n}.db") for n in (2, 1)]
+    subprocess.run([sys.executable, "-c", _SEED_BANDWIDTH, *dbs], cwd=ROOT, check=True)
+    walls = {n: _sweep(n, args, work) for n in (2, 1)}
+    ratio = walls[1] / walls[2]
+    print(f"\n{args.suite} {args.kv_format}, backend {args.backend}, "
+          f"--time-budget {args.time_budget} {' '.join(args.extra)}")
+    for n in (1, 2):
+        print(f"  --gpus {n}: {walls[n]:7.1f} s   {_summary(work / f'gpus{n}.db')}")
+    verdict = "meets" if ratio >= TARGET else "is below"
+    print(f"  speedup --gpus 2 vs 1: {ratio:.2f}x ({verdict} the {TARGET}x target)")
+    print(f"  DBs and logs: {work}")
+
+
+if __name__ == "__main__":
+    main()
