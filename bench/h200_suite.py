@@ -26,6 +26,8 @@ from mla_tune.report import geomean  # noqa: E402
 from mla_tune.suites import suite_shapes  # noqa: E402
 from mla_tune.sweep import SweepOptions, run_sweep  # noqa: E402
 from mla_tune.timing import TimingPolicy  # noqa: E402
+from mla_tune.ui import SweepProgress  # noqa: E402
+from rich.console import Console  # noqa: E402
 
 READ_CEILING_GBPS = 4580.0  # streaming read measured on the H200 (platform.md)
 OURS, LIBRARY, TORCH = "triton", "flashinfer", "torch"
@@ -82,6 +84,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the markdown here")
     ap.add_argument("--pin", action="append", default=[], help="BACKEND.KNOB=V1,V2 (as the CLI)")
     ap.add_argument("--gpus", type=int, default=1, help="worker processes, one per GPU")
+    ap.add_argument("--report-only", action="store_true",
+                    help="print the tables from --db without sweeping (any machine)")
     args = ap.parse_args()
 
     from mla_tune.search import Strategy
@@ -102,11 +106,17 @@ def main() -> None:
                            policy=TimingPolicy(budget_s=args.time_budget), baselines=False,
                            pins=pins)
     t0 = time.time()
-    run_sweep(shapes, backends, store, options, observer=None)
-    dev = current_device("cuda:0")
-    device_id = store.device_id(dev)
+    if args.report_only:
+        row = next(d for d in store.devices() if d.fingerprint.vendor == "nvidia")
+        dev, device_id = row.fingerprint, row.id
+    else:
+        with SweepProgress(Console(stderr=True)) as progress:
+            run_sweep(shapes, backends, store, options, progress)
+        dev = current_device("cuda:0")
+        device_id = store.device_id(dev)
     header = (f"## {dev.name}, {dt.date.today()} — {' '.join(sys.argv)}\n\n"
-              f"software: {', '.join(f'{k} {v}' for k, v in current_software().versions)}; "
+              f"software (of this run): "
+              f"{', '.join(f'{k} {v}' for k, v in current_software().versions)}; "
               f"cold L2, median µs; read ceiling {READ_CEILING_GBPS / 1000:.2f} TB/s; "
               f"sweep wall time {time.time() - t0:.0f} s\n")
     text = header + "\n" + tables(store, device_id, shapes, READ_CEILING_GBPS)
