@@ -25,6 +25,25 @@ pins=(--pin triton.block_n=32 --pin triton.num_stages=3 --pin triton.compute=bf1
       --pin flashinfer.fp8_scale=fold --pin flashinfer.page_size=1,64
       --pin torch.compute_dtype=bfloat16 --pin torch.chunk_size=0 --pin torch.num_splits=1,16)
 
+if [ "${1:-}" = "--second-pass" ]; then
+  db=tuning.db
+  step "FlashInfer bf16 on the suites"
+  timeout "$(cap 150)" python3 bench/h200_suite.py --suite seeds --suite leaderboard-v1 \
+      --kv-format bf16 --backend flashinfer --db "$db" --time-budget 0.2 \
+      --pin flashinfer.backend=fa3 --pin flashinfer.launch=direct --pin flashinfer.page_size=1,64
+  step "Triton MXFP4 on the suites"
+  timeout "$(cap 150)" python3 bench/h200_suite.py --suite leaderboard-v1 --kv-format mxfp4 \
+      --backend triton --db "$db" --time-budget 0.2 --pin triton.num_stages=2 \
+      --pin triton.fast_mode=true --pin triton.num_splits=0,2,4,8,16
+  step "tables"
+  python3 bench/h200_suite.py --suite seeds --suite leaderboard-v1 --db "$db" --report-only \
+      --out "$out/h200_suite.md"
+  python3 -m mla_tune export --db "$db" --out "$out/winners.json"
+  cp "$db" "$out/tuning.db"
+  step "done"
+  exit 0
+fi
+
 step "doctor"
 timeout "$(cap 60)" python3 -m mla_tune doctor --device cuda
 
@@ -51,3 +70,8 @@ if [ "$ngpu" -ge 2 ]; then
 fi
 
 step "done"
+
+# Second pass of the 2026-11-30 session (the first pass's pins left out FlashInfer's bf16
+# points, which need fp8_scale=host, and Triton's MXFP4 points, whose block_n 32 / 3-stage
+# variant spills): run with the first pass's DB as ./tuning.db:
+#     source .device/setup.sh && bash bench/h200_session.sh --second-pass
