@@ -75,7 +75,7 @@ from typing import Any
 import torch
 
 from mla_tune.backends import Backend, get_backend
-from mla_tune.fingerprint import current_device, current_software
+from mla_tune.fingerprint import CORE_PACKAGES, current_device, current_software
 from mla_tune.problem import (
     KV_LORA_RANK,
     QK_HEAD_DIM,
@@ -449,11 +449,15 @@ class Dispatcher:
             else:
                 usable.append((r, fam))
         extra: dict[str, str] = {}
+        own: dict[str, set[str]] = {}
         for fam in {id(f): f for _, f in usable}.values():
             try:
-                extra.update(fam.backend.versions())
+                versions = fam.backend.versions()
             except Exception as e:  # noqa: BLE001
                 log.warning("mla-tune: cannot read %s versions: %s", fam.backend.name, e)
+                versions = {}
+            extra.update(versions)
+            own[fam.backend.name] = set(versions)
         here_sw = current_software(extra).as_dict()
         table: dict[str, _Winner] = {}
         warned: set[str] = set()
@@ -465,8 +469,12 @@ class Dispatcher:
                             "(%s)", r.shape.key, r.backend, e)
                 self._ignore("config outside its backend's space")
                 continue
+            # A winner depends on the core stack and on its own backend's libraries only
+            # (a FlashInfer upgrade says nothing about a Triton winner).
+            relevant = set(CORE_PACKAGES) | own.get(r.backend, set())
             theirs = r.software.as_dict()
-            diff = tuple(sorted(k for k, v in theirs.items() if here_sw.get(k) != v))
+            diff = tuple(sorted(k for k, v in theirs.items()
+                                if k in relevant and here_sw.get(k) != v))
             if diff:
                 if self.strict:
                     self._ignore("tuned under other library versions (strict)")

@@ -186,6 +186,18 @@ def test_other_library_versions_warn_once_or_are_ignored_when_strict(tmp_path, c
     assert strict.ignored == {"tuned under other library versions (strict)": 2}
 
 
+def test_libraries_of_other_backends_do_not_count_as_a_different_stack(tmp_path, caplog):
+    db = tmp_path / "fi.db"
+    tuned_with_flashinfer = dict(current_software().as_dict(), flashinfer="0.7.4")
+    with TuningStore(str(db)) as store:
+        _record_winner(store, current_device("cpu"),
+                       SoftwareFingerprint(tuple(tuned_with_flashinfer.items())),
+                       Shape.uniform(4, 256))
+    strict = Dispatcher.from_db(str(db), "cpu", strict=True)
+    assert strict.loaded == 1 and strict.decide(Shape.uniform(4, 256)).reason == "exact"
+    assert not any("other versions" in r.message for r in caplog.records)
+
+
 def test_exact_stack_beats_other_stack_for_the_same_shape(tmp_path):
     db = tmp_path / "two.db"
     shape = Shape.uniform(4, 256)
