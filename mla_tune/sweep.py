@@ -25,7 +25,13 @@ from typing import Any, Protocol
 import optuna
 import torch
 
-from mla_tune.backends import Backend, backend_names, get_backend, source_hashes
+from mla_tune.backends import (
+    Backend,
+    backend_names,
+    get_backend,
+    library_versions,
+    source_hashes,
+)
 from mla_tune.db import ClaimRow, TrialGroup, TuningStore, WinnerRow
 from mla_tune.evaluate import TrialOutcome
 from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint, current_software
@@ -398,9 +404,7 @@ def run_sweep(shapes: Sequence[Shape], backends: Sequence[Backend], store: Tunin
             usable.append(b)
         else:
             skipped[b.name] = avail.reason
-    versions: dict[str, str] = {}
-    for b in usable:
-        versions.update(b.versions())
+    versions = library_versions(device)
     # Workers import each backend by path, so backends registered at run time reach them.
     paths = {b.name: f"{type(b).__module__}:{type(b).__qualname__}" for b in usable}
     with WorkerPool(options.devices, paths, options.policy, options.seed) as pool:

@@ -71,3 +71,14 @@ def test_sampled_search_claims_what_it_measures_and_leaves_no_running_trial(stor
     complete = {config_key(t.params) for t in study.trials
                 if t.state == optuna.trial.TrialState.COMPLETE}
     assert complete == {t.config_key for t in trials if t.status == "ok"}
+
+
+def test_software_fingerprint_does_not_depend_on_the_backends_swept(store, monkeypatch):
+    import mla_tune.backends as registry
+
+    monkeypatch.setitem(registry._REGISTRY, "toylib", "tests.fixtures.toy_backends:ToyLibraryBackend")
+    shape = Shape.uniform(1, 8)
+    opts = SweepOptions(policy=FAST, baselines=False, budget=1)
+    run_sweep([shape], [get_backend("toylib")], store, opts)
+    run_sweep([shape], [get_backend("toy")], store, opts)
+    assert len({t.software_id for t in store.trials()}) == 1

@@ -71,5 +71,21 @@ def _register_from_env() -> None:
 
 _register_from_env()
 
+def library_versions(device: "torch.device | str") -> dict[str, str]:
+    """Versions of the libraries of every backend available on `device`: part of the
+    software fingerprint, whichever backends a given sweep selects."""
+    import torch
+
+    versions: dict[str, str] = {}
+    for name in _REGISTRY:
+        try:
+            backend = get_backend(name)
+            if backend.available(torch.device(device)):
+                versions.update(backend.versions())
+        except Exception:  # noqa: BLE001 - an unloadable backend contributes nothing
+            continue
+    return versions
+
+
 __all__ = ["Availability", "Backend", "KernelFn", "UnknownBackendError", "backend_names",
-           "get_backend", "register", "source_hashes"]
+           "get_backend", "library_versions", "register", "source_hashes"]
