@@ -200,12 +200,13 @@ def generate_input(shape: Shape, seed: int = 0, device: str | torch.device = "cp
     """
     from mla_tune import quant
 
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    # Drawn on the target device: a GPU-sized cache (1.2 G values for 256x8192) would take
+    # seconds to draw on the host. Same seed and device give the same input.
+    gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn((shape.total_q, shape.heads, QK_HEAD_DIM), generator=gen,
-                    dtype=torch.float32).to(torch.bfloat16)
+                    dtype=torch.float32, device=device).to(torch.bfloat16)
     kv = torch.randn((shape.total_kv, 1, QK_HEAD_DIM), generator=gen,
-                     dtype=torch.float32).to(torch.bfloat16)
-    q, kv = q.to(device), kv.to(device)
+                     dtype=torch.float32, device=device).to(torch.bfloat16)
     kv_data = {
         "bf16": kv,
         "fp8": quant.quantize_fp8(kv),
