@@ -13,7 +13,6 @@ import itertools
 import json
 import math
 import multiprocessing
-import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -79,7 +78,7 @@ def make_inputs(batch: int, kv_len: int, heads: int, fmt: str, device: str) -> t
     q = torch.randn((batch, heads, 576), generator=g, device=device).to(torch.bfloat16)
     kv = torch.randn((batch * kv_len, 1, 576), generator=g, device=device).to(torch.bfloat16)
     if fmt == "bf16":
-        args, kvf = (kv, None, None), None
+        args = (kv, None, None)
     elif fmt == "fp8":
         k8, sc = quant.quantize_fp8(kv)
         args = (k8, sc, None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import re
 import signal
 import sys
@@ -135,8 +134,8 @@ def sweep(
         except UnknownBackendError as exc:
             fail(str(exc))
     devices = _sweep_devices(device or _default_device(), gpus)
-    store = _open_store(db)
     pins = _pins(pin, devices[0])
+    store = _open_store(db)
     options = SweepOptions(devices=devices, strategy=strat, budget=budget, seed=seed,
                            policy=TimingPolicy(budget_s=time_budget), baselines=not no_baseline,
                            candidate_timeout_s=candidate_timeout, pins=pins)
@@ -221,6 +220,9 @@ def _print_winners(results: Sequence[Any]) -> None:
             table.add_row(r.shape.label(), w.backend, json.dumps(w.config, sort_keys=True),
                           f"{w.median_us:.1f}", str(new), str(reused))
     out.print(table)
+    skipped = {(b.name, b.skipped) for r in results for b in r.backends if b.skipped}
+    for name, reason in sorted(skipped):
+        console.print(f"skipped {name}: {reason}", highlight=False)
 
 
 @app.command()
@@ -328,13 +330,18 @@ def doctor(device: str | None = typer.Option(None, help="cuda or cpu.")) -> None
     from mla_tune.backends import backend_names, get_backend
     from mla_tune.fingerprint import current_device, current_software
 
-    dev = torch.device(device or _default_device())
-    fp = current_device(dev)
+    from mla_tune.db import resolve_url
+
+    try:
+        dev = torch.device(device or _default_device())
+        fp = current_device(dev)
+    except (RuntimeError, ValueError) as exc:
+        fail(f"cannot use device {device!r}: {exc}; use cpu, cuda or cuda:N")
     out.print(f"device: {fp.name} ({fp.vendor}, {fp.arch}, {fp.sm_count} SMs/cores, "
               f"{fp.memory_bytes / 2**30:.1f} GiB) fingerprint {fp.hash}")
     sw = current_software()
     out.print("software: " + ", ".join(f"{k} {v}" for k, v in sw.versions))
-    out.print(f"tuning DB: {os.environ.get('MLA_TUNE_DB', 'sqlite:///tuning.db')}")
+    out.print(f"tuning DB: {resolve_url().render_as_string(hide_password=True)}")
     table = Table(title="backends")
     for col in ("backend", "available", "why not"):
         table.add_column(col)

@@ -4,20 +4,12 @@ only when this command runs."""
 
 from __future__ import annotations
 
-from typing import NoReturn
-
 import typer
 from rich.console import Console
 
 from mla_tune.problem import KVFormat, ShapeError, parse_shape
 
 _out = Console(highlight=False, soft_wrap=True)
-_err = Console(stderr=True, highlight=False)
-
-
-def _fail(message: str) -> NoReturn:
-    _err.print(f"[bold red]error:[/] {message}")
-    raise typer.Exit(2)
 
 
 def route(
@@ -36,20 +28,21 @@ def route(
     """Print which variant a call of this shape would run, why, and what it falls back to."""
     import torch
 
+    from mla_tune.cli import fail
     from mla_tune.dispatch import FORMAT_ORDER, Dispatcher
 
     try:
         base = parse_shape(shape, q_len=q_len, heads=heads)
         fmt = None if kv_format.strip().lower() == "auto" else KVFormat.parse(kv_format)
     except (ShapeError, ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
     if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
-        _fail("--device cuda was asked for but torch sees no GPU; use --device cpu")
+        fail("--device cuda was asked for but torch sees no GPU; use --device cpu")
     try:
         d = (Dispatcher.from_json(winners, device) if winners
              else Dispatcher.from_db(db, device))
     except ValueError as e:  # a bad MLA_TUNE_FORCE, or a device that cannot be used
-        _fail(str(e))
+        fail(str(e))
     _out.print(f"table: {d.summary()}")
     formats = [fmt] if fmt is not None else list(FORMAT_ORDER)
     for f in formats:

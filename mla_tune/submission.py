@@ -7,8 +7,9 @@ The file is `winners.json` next to this module, or the path in $MLA_TUNE_WINNERS
 a usable file every shape is routed by the dispatcher's heuristics, with a warning.
 
 The leaderboard times per-call Python work, so inputs are checked in full on each shape's
-first call only (`check_inputs=False`; about 2.5 us per call on the H200 host, estimated in
-bench/results/dispatch_overhead_2026-11-30.md): the harness's later calls of a shape have
+first call only (`check_inputs=False`: the dispatcher then adds 0.60 us per call on the
+H200 host instead of 3.75, bench/results/h200_session_2026-11-30.md): the harness's later
+calls of a shape have
 that shape's tensors, as the task defines them.
 """
 

@@ -279,10 +279,10 @@ def import_winners(store: TuningStore, path: str | os.PathLike[str]) -> ImportSu
     """Store each winner of a file as an 'ok' trial under its own device and stack, then
     recompute those shapes' winners, so an imported winner competes with local trials
     instead of overwriting them. Re-importing the same file changes nothing."""
-    from mla_tune.backends import backend_names, get_backend
+    from mla_tune.backends import source_hashes
 
     records = load_winners_json(path)
-    sources = {n: get_backend(n).source_hash() for n in backend_names()}
+    sources = source_hashes()
     worker = f"import:{Path(path).name}"[:MAX_TEXT]
     current: dict[tuple[int, int, str], list[WinnerRecord]] = {}
     stale = 0

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 import os
 
+import torch
+
 from mla_tune.backends.base import Availability, Backend, KernelFn
 
 _REGISTRY: dict[str, str] = {
@@ -71,11 +73,10 @@ def _register_from_env() -> None:
 
 _register_from_env()
 
-def library_versions(device: "torch.device | str") -> dict[str, str]:
+
+def library_versions(device: torch.device | str) -> dict[str, str]:
     """Versions of the libraries of every backend available on `device`: part of the
     software fingerprint, whichever backends a given sweep selects."""
-    import torch
-
     versions: dict[str, str] = {}
     for name in _REGISTRY:
         try:

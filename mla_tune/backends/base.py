@@ -19,6 +19,10 @@ from mla_tune.problem import Shape, TaskInput
 from mla_tune.space import ParamSpace, load_backend_space
 
 KernelFn = Callable[[TaskInput], torch.Tensor]
+"""A built variant: the task tuple in, (total_q, heads, 512) bf16 out. It may return the
+same preallocated output tensor on every call (allocating per call would be timed), so a
+caller keeps an output past the next call only by copying it, and a variant is not called
+concurrently from several threads or streams."""
 
 
 @dataclass(frozen=True)
