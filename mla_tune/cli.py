@@ -225,6 +225,16 @@ def _print_winners(results: Sequence[Any]) -> None:
         console.print(f"skipped {name}: {reason}", highlight=False)
 
 
+def _read_store(db: str | None) -> Any:
+    """The tuning DB opened read-only (it must exist; nothing is created or migrated)."""
+    from mla_tune.db import DBError, TuningStore
+
+    try:
+        return TuningStore(db, read_only=True)
+    except DBError as exc:
+        fail(str(exc))
+
+
 @app.command()
 def report(
     db: str | None = typer.Option(None, help=DB_HELP),
@@ -265,7 +275,7 @@ def report(
             require_matplotlib()
         except MissingDependencyError as exc:
             fail(str(exc))
-    store = _open_store(db)
+    store = _read_store(db)
     rows = report_rows(store, shape_key=shape, software_hash=software,
                        shape_keys=suite_keys(suite_list) if suite_list is not None else None)
     if html is not None:
@@ -362,7 +372,7 @@ def _diff_side(ref: str, db: str | None) -> Any:
     from mla_tune.diff import DiffSide
 
     if _STACK_HASH.fullmatch(ref) and not Path(ref).exists():
-        store = _open_store(db)
+        store = _read_store(db)
         known = sorted({w.software.hash for w in store.winners()})
         match = [h for h in known if h.startswith(ref)]
         if len(match) != 1:
@@ -373,7 +383,7 @@ def _diff_side(ref: str, db: str | None) -> Any:
     if "://" not in ref and not Path(ref).is_file():
         fail(f"{ref!r} is neither a tuning DB file nor a software stack hash of --db; give a "
              "DB path or URL, or a hash from `mla-tune report --format json`")
-    return DiffSide.load(_open_store(ref), ref)
+    return DiffSide.load(_read_store(ref), ref)
 
 
 @app.command()
@@ -460,7 +470,7 @@ def export_cmd(
 
     if out_path.is_dir() or not out_path.absolute().parent.is_dir():
         fail(f"--out {out_path}: give a file path in an existing directory")
-    store = _open_store(db)
+    store = _read_store(db)
     device_hash = None
     if device is not None:
         known = [d.hash for d in store.devices()]

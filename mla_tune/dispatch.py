@@ -73,7 +73,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -379,8 +378,9 @@ class Dispatcher:
                 *, kv_format: KVFormat | str | None = None, strict: bool = False,
                 check_inputs: bool = True) -> "Dispatcher":
         """Load the tuning DB's winners once (this device's are kept: module docstring).
-        A missing, unreadable or corrupt DB (or no SQLAlchemy installed) is a warning,
-        never an error; a missing SQLite file is not created."""
+        The DB is opened read-only (`TuningStore(read_only=True)`): never created, migrated
+        or locked. A missing, unreadable, corrupt or other-schema DB (or no SQLAlchemy
+        installed) is a warning, never an error."""
         dev = _default_device(device)
         records: list[WinnerRecord] = []
         origin = "no tuning DB"
@@ -389,11 +389,9 @@ class Dispatcher:
 
             url = resolve_url(url_or_path)
             origin = url.render_as_string(hide_password=True)
-            path = url.database if url.get_backend_name() == "sqlite" else None
-            if path and path != ":memory:" and not path.startswith("file:") \
-                    and not Path(path).is_file():
-                raise FileNotFoundError(f"no tuning DB file at {path}")
-            with TuningStore(url.render_as_string(hide_password=False)) as store:
+            # Read-only: nothing created or migrated, no write lock taken or waited for.
+            with TuningStore(url.render_as_string(hide_password=False),
+                             read_only=True) as store:
                 rows = store.winners()  # all devices, so summary() can say what was ignored
             for row in rows:
                 try:

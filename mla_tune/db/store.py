@@ -9,6 +9,7 @@ processes and by Optuna's studies, so every write is race-safe and our tables ar
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 import math
@@ -16,15 +17,17 @@ import os
 import sqlite3
 import time
 import warnings
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote
 
 from alembic import command
 from alembic.config import Config
+from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy import (
     URL,
@@ -40,6 +43,7 @@ from sqlalchemy import (
     exists,
     extract,
     func,
+    inspect,
     make_url,
     or_,
     select,
@@ -49,9 +53,11 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
 
 from mla_tune.db.models import (
     TRIAL_STATUSES,
+    VERSION_TABLE,
     Claim,
     Device,
     Software,
@@ -69,6 +75,9 @@ ENV_VAR = "MLA_TUNE_DB"
 DEFAULT_URL = "sqlite:///tuning.db"
 SQLITE_HEADER = b"SQLite format 3\x00"
 BUSY_TIMEOUT_S = 30
+# A read-only opener never waits on a writer under WAL; this only bounds odd cases (a DB
+# left in rollback-journal mode, WAL recovery) so a serving process is never held for long.
+READ_ONLY_BUSY_TIMEOUT_S = 5
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 STAT_KEYS = ("median_us", "mean_us", "std_us", "min_us", "max_us", "n")
 _TRIAL_KEY = ("device_id", "software_id", "shape_key", "backend", "source_hash", "config_key")
@@ -81,6 +90,39 @@ _OPTUNA_OPEN_ATTEMPTS = 5
 
 class DBError(RuntimeError):
     """The tuning DB cannot be used as given; the message says why and what to do."""
+
+
+class _ChangedWhileReading(Exception):
+    """A read of a cleanly closed SQLite file (opened immutable) saw the file change."""
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _writes(method: _F) -> _F:
+    """Refuse `method` on a read-only store, before touching the DB."""
+    @functools.wraps(method)
+    def wrapper(self: TuningStore, *args: Any, **kwargs: Any) -> Any:
+        if self.read_only:
+            raise DBError(f"cannot {method.__name__}: the tuning DB {self.url} was opened "
+                          "read-only; open it with TuningStore(url) (read_only=False) to "
+                          "write")
+        return method(self, *args, **kwargs)
+    return wrapper  # type: ignore[return-value]
+
+
+def _reads(method: _F) -> _F:
+    """Run `method` again when a lock-free read saw the file change under it."""
+    @functools.wraps(method)
+    def wrapper(self: TuningStore, *args: Any, **kwargs: Any) -> Any:
+        for _ in range(3):
+            try:
+                return method(self, *args, **kwargs)
+            except _ChangedWhileReading:
+                continue
+        self._lock_free = False  # a writer is busy: read through WAL's shared memory
+        return method(self, *args, **kwargs)
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -246,6 +288,37 @@ def _sqlite_on_begin(conn: Connection) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+def _sqlite_on_connect_read_only(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+    dbapi_conn.isolation_level = None  # BEGIN is ours (deferred: a reader takes no lock)
+    cur = dbapi_conn.cursor()
+    try:
+        cur.execute(f"PRAGMA busy_timeout = {READ_ONLY_BUSY_TIMEOUT_S * 1000}")
+        cur.execute("PRAGMA query_only = ON")
+    finally:
+        cur.close()
+
+
+def _sqlite_on_begin_read_only(conn: Connection) -> None:
+    # One snapshot per session, and no write lock: a sweep's BEGIN IMMEDIATE never blocks
+    # a WAL reader.
+    conn.exec_driver_sql("BEGIN")
+
+
+class _ReadOnlyConnection(sqlite3.Connection):
+    """A read-only SQLite connection; `clean_state` is set when it was opened lock-free."""
+
+    clean_state: tuple[int, int, int] | None = None
+
+
+def _clean_state(path: Path) -> tuple[int, int, int] | None:
+    """(inode, size, mtime) of a SQLite file no connection has open (no -wal file next to
+    it), else None."""
+    if Path(f"{path}-wal").exists():
+        return None
+    st = path.stat()
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def _lock_key(*parts: object) -> int:
     """A signed 64-bit PostgreSQL advisory lock id for `parts`."""
     digest = hashlib.sha256(json.dumps(parts).encode()).digest()
@@ -287,13 +360,26 @@ def _winner_row(w: Winner, d: Device, s: Software) -> WinnerRow:
 
 
 class TuningStore:
-    """Tuning results in SQLite or PostgreSQL; the schema is migrated to head on open."""
+    """Tuning results in SQLite or PostgreSQL; the schema is migrated to head on open.
 
-    def __init__(self, url: str | None = None) -> None:
+    With `read_only=True` (reports, diff, export, the dispatcher) the DB is only read: it
+    must exist and be at this mla-tune's schema revision (no migration runs), a SQLite file
+    is opened with `mode=ro` (no WAL switch, no write lock, nothing created), PostgreSQL
+    transactions are READ ONLY, and every write method raises DBError. A SQLite file that
+    no process has open (no -wal file next to it) is read without locks or -wal/-shm files
+    (`immutable=1`, retried through WAL's shared memory if the file changes meanwhile), so
+    a DB in a read-only directory can be read and no read leaves files behind."""
+
+    def __init__(self, url: str | None = None, *, read_only: bool = False) -> None:
         self._url = resolve_url(url)
         self._dialect = self._url.get_backend_name()
+        self.read_only = read_only
+        self._ro_path: Path | None = None
+        self._lock_free = True
         self._engine: Engine
-        if self._dialect == "sqlite":
+        if read_only:
+            self._engine = self._read_only_engine()
+        elif self._dialect == "sqlite":
             _check_sqlite_file(self._url.database)
             self._engine = create_engine(self._url)
             event.listen(self._engine, "connect", _sqlite_on_connect)
@@ -301,10 +387,74 @@ class TuningStore:
         else:
             self._engine = create_engine(self._url, pool_pre_ping=True)
         try:
-            self._migrate()
+            if read_only:
+                self._check_revision()
+            else:
+                self._migrate()
         except BaseException:
             self._engine.dispose()
             raise
+
+    def _read_only_engine(self) -> Engine:
+        if self._dialect == "postgresql":
+            return create_engine(self._url, pool_pre_ping=True).execution_options(
+                postgresql_readonly=True)
+        database = self._url.database or ""
+        if database in ("", ":memory:"):
+            raise DBError("an in-memory SQLite DB is empty: give the path of a tuning DB "
+                          "file to read")
+        if database.startswith("file:"):  # the caller's own URI, e.g. with mode=ro
+            engine = create_engine(self._url)
+        else:
+            _check_sqlite_file(database)
+            path = Path(database)
+            if not path.is_file():
+                raise DBError(f"no tuning DB file at {path}: run `mla-tune sweep` first "
+                              "(it creates the DB), or check --db / $MLA_TUNE_DB")
+            self._ro_path = path.absolute()
+            engine = create_engine("sqlite://", creator=self._connect_read_only,
+                                   poolclass=NullPool)
+        event.listen(engine, "connect", _sqlite_on_connect_read_only)
+        event.listen(engine, "begin", _sqlite_on_begin_read_only)
+        return engine
+
+    def _connect_read_only(self) -> sqlite3.Connection:
+        assert self._ro_path is not None
+        state = _clean_state(self._ro_path) if self._lock_free else None
+        uri = f"file:{quote(str(self._ro_path))}?mode=ro" + ("&immutable=1" if state else "")
+        conn = sqlite3.connect(uri, uri=True, timeout=READ_ONLY_BUSY_TIMEOUT_S,
+                               check_same_thread=False, factory=_ReadOnlyConnection)
+        conn.clean_state = state
+        return conn
+
+    @_reads
+    def _check_revision(self) -> None:
+        """Refuse a DB whose schema is not this mla-tune's head (read-only: no upgrade)."""
+        script = ScriptDirectory(str(MIGRATIONS_DIR))
+        head = script.get_current_head()
+        try:
+            with self._session() as s:
+                found = inspect(s.connection()).has_table(VERSION_TABLE)
+                revs = (s.scalars(text(f"SELECT version_num FROM {VERSION_TABLE}")).all()
+                        if found else [])
+        except DBAPIError as e:
+            raise DBError(f"cannot read the tuning DB {self.url}: {e.orig or e}") from None
+        if not found:
+            raise DBError(f"{self.url} has no mla-tune tables (it is empty or not a tuning "
+                          "DB); run `mla-tune sweep` on it first, or check --db / "
+                          "$MLA_TUNE_DB")
+        if revs == [head]:
+            return
+        known = {r.revision for r in script.walk_revisions()}
+        rev = ", ".join(revs) or "(none)"
+        if all(r in known for r in revs):
+            raise DBError(f"the tuning DB {self.url} is at schema revision {rev}, older than "
+                          f"this mla-tune's {head}, and a read-only open does not upgrade it; "
+                          "run any `mla-tune sweep` on it (e.g. `mla-tune sweep --shape "
+                          "4x1024 --db ...`) to upgrade it, then retry")
+        raise DBError(f"the tuning DB {self.url} is at schema revision {rev}, which this "
+                      f"mla-tune (schema {head}) does not know: it was written by a newer "
+                      "mla-tune; upgrade mla-tune to read it")
 
     @property
     def url(self) -> str:
@@ -344,12 +494,26 @@ class TuningStore:
     @contextmanager
     def _session(self) -> Iterator[Session]:
         with Session(self._engine, expire_on_commit=False) as session, session.begin():
-            yield session
+            if self._ro_path is None:
+                yield session
+                return
+            # A lock-free read (see the class docstring) must not have seen a change.
+            dbapi = session.connection().connection.dbapi_connection
+            state = getattr(dbapi, "clean_state", None)
+            try:
+                yield session
+            except DBAPIError:
+                if state is not None and _clean_state(self._ro_path) != state:
+                    raise _ChangedWhileReading from None
+                raise
+            if state is not None and _clean_state(self._ro_path) != state:
+                raise _ChangedWhileReading
 
     def _insert(self, model: type[Any]) -> Any:
         dialect = sqlite if self._dialect == "sqlite" else postgresql
         return dialect.insert(model)
 
+    @_writes
     def device_id(self, fp: DeviceFingerprint) -> int:
         """Id of the device row for `fp`, created on first sight (safe under concurrency)."""
         with self._session() as s:
@@ -359,6 +523,7 @@ class TuningStore:
             ).on_conflict_do_nothing(index_elements=["hash"]))
             return s.execute(select(Device.id).where(Device.hash == fp.hash)).scalar_one()
 
+    @_writes
     def software_id(self, fp: SoftwareFingerprint) -> int:
         """Id of the software-stack row for `fp`, created on first sight."""
         with self._session() as s:
@@ -367,6 +532,7 @@ class TuningStore:
             ).on_conflict_do_nothing(index_elements=["hash"]))
             return s.execute(select(Software.id).where(Software.hash == fp.hash)).scalar_one()
 
+    @_reads
     def devices(self) -> list[DeviceRow]:
         """All devices, oldest first."""
         with self._session() as s:
@@ -376,6 +542,7 @@ class TuningStore:
                               read_bw_gbps=d.read_bw_gbps, created_at=_aware(d.created_at))
                     for d in s.scalars(select(Device).order_by(Device.id))]
 
+    @_writes
     def set_read_bandwidth(self, device_id: int, gbps: float) -> None:
         """Store the measured streaming-read bandwidth, the roofline for reports."""
         if not (math.isfinite(gbps) and gbps > 0):
@@ -386,6 +553,7 @@ class TuningStore:
             if result.rowcount == 0:
                 raise KeyError(f"no device with id {device_id}")
 
+    @_writes
     def record_trial(self, *, device_id: int, software_id: int, shape_key: str,
                      shape_json: Mapping[str, Any], kv_format: str, backend: str,
                      source_hash: str, config: Mapping[str, Any], status: str,
@@ -432,6 +600,7 @@ class TuningStore:
         """Claims whose candidate has no trial yet."""
         return ~exists().where(*(getattr(Trial, k) == getattr(Claim, k) for k in _TRIAL_KEY))
 
+    @_writes
     def enqueue(self, group: TrialGroup, configs: Iterable[Mapping[str, Any]]) -> None:
         """Queue candidates of `group` for measurement, in order; measured or already
         queued ones are left alone."""
@@ -445,6 +614,7 @@ class TuningStore:
                 s.execute(self._insert(Claim)
                           .on_conflict_do_nothing(index_elements=list(_TRIAL_KEY)), values)
 
+    @_writes
     def claim(self, group: TrialGroup, owner: str, *, stale_after_s: float,
               dead_owners: Collection[str] = (),
               config: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
@@ -477,6 +647,7 @@ class TuningStore:
                       .values(state="running", claimed_by=owner, heartbeat_at=now))
             return json.loads(row.config_json)
 
+    @_writes
     def heartbeat(self, owner: str) -> int:
         """Mark `owner`'s running claims alive; returns how many it holds."""
         with self._session() as s:
@@ -485,6 +656,7 @@ class TuningStore:
                                .values(heartbeat_at=self._db_now()))
             return result.rowcount or 0
 
+    @_writes
     def release(self, owner: str) -> int:
         """Put `owner`'s running claims back in the queue (a clean stop), so the next
         sweep takes them at once instead of waiting for them to go stale."""
@@ -494,6 +666,7 @@ class TuningStore:
                                .values(state="pending", claimed_by=None, heartbeat_at=None))
             return result.rowcount or 0
 
+    @_reads
     def claims(self, group: TrialGroup) -> list[ClaimRow]:
         """Queued and running candidates of `group` that are not measured yet, oldest
         first."""
@@ -514,6 +687,7 @@ class TuningStore:
                            backend=backend, source_hash=source_hash)
         return {r.config_key: r for r in rows}
 
+    @_reads
     def trials(self, *, device_id: int | None = None, software_id: int | None = None,
                shape_key: str | None = None, backend: str | None = None,
                source_hash: str | None = None, status: str | None = None) -> list[TrialRow]:
@@ -525,6 +699,7 @@ class TuningStore:
             return [_trial_row(t) for t in s.scalars(select(Trial).where(*where)
                                                      .order_by(Trial.id))]
 
+    @_writes
     def update_winner(self, device_id: int, software_id: int, shape_key: str,
                       current_sources: Mapping[str, str]) -> WinnerRow | None:
         """Recompute the winner of a shape from its 'ok' trials and store it atomically.
@@ -565,6 +740,7 @@ class TuningStore:
                       .on_conflict_do_update(index_elements=list(_WINNER_KEY), set_=values))
             return self._winners(s, where_key)[0]
 
+    @_reads
     def winners(self, device_hash: str | None = None, software_hash: str | None = None,
                 shape_key: str | None = None) -> list[WinnerRow]:
         """Stored winners, optionally for one device, stack and/or shape."""
@@ -589,6 +765,7 @@ class TuningStore:
         ).all()
         return [_winner_row(w, d, sw) for w, d, sw in rows]
 
+    @_writes
     def optuna_storage(self, heartbeat_s: int | None = None,
                        grace_s: int | None = None) -> RDBStorage:
         """An Optuna storage on this same database, so studies live next to the trials.
