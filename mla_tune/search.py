@@ -68,8 +68,12 @@ class SearchDriver:
                               for name, choices in space.params}
         self._feasible = {config_key(c) for c in candidates}
         self.budget = budget
-        # Configs handed out and not told yet, with the Optuna trial they were asked as.
+        # Configs handed out and not told yet, with the Optuna trial they were asked as
+        # (None for one claimed from the queue rather than asked here).
         self._pending: dict[str, optuna.Trial | None] = {}
+        # Configs another sweep measures (or has measured): never proposed again here, and
+        # neither a result nor a budget slot of this driver.
+        self._elsewhere: set[str] = set()
         self._stale = 0
         self._heartbeat = is_heartbeat_enabled(study._storage)
         if self._heartbeat:  # fail trials a killed process left RUNNING
@@ -79,17 +83,41 @@ class SearchDriver:
 
     def remaining(self) -> int:
         """Configs still to measure under the budget (not counting those out now)."""
-        todo = sum(1 for c in self.candidates
-                   if config_key(c) not in self.measured and config_key(c) not in self._pending)
+        todo = len(self._todo())
         if self.budget is None:
             return todo
-        return max(0, min(todo, self.budget - len(self.measured) - len(self._pending)))
+        return min(todo, self._room())
+
+    def has_room(self) -> bool:
+        """Whether the budget allows another config to go out, wherever it comes from
+        (asked here or claimed from the queue)."""
+        return self.budget is None or self._room() > 0
 
     def grid_todo(self) -> list[dict[str, Any]]:
         """The grid configs still to measure under the budget, in grid order."""
-        todo = [c for c in self.candidates
-                if config_key(c) not in self.measured and config_key(c) not in self._pending]
-        return todo[:self.remaining()]
+        return self._todo()[:self.remaining()]
+
+    def taken(self, config: dict[str, Any]) -> None:
+        """`config` was claimed from the queue (left there by a grid run or a stopped
+        sweep) rather than asked here: it is out for measurement and counts against the
+        budget like an asked one until it is told."""
+        key = config_key(config)
+        self._elsewhere.discard(key)
+        self._pending.setdefault(key, None)
+
+    def measured_elsewhere(self, config: dict[str, Any]) -> None:
+        """`config`, asked here, is measured or being measured by another sweep. It is not
+        a failure: it stays out of `measured` and of this driver's budget (the sweep that
+        holds it measures it), and it is not proposed again. Its Optuna trial is closed
+        as FAIL, the one state the samplers ignore (TPE ranks a PRUNED trial without
+        values among the worst), and marked, so the study learns the config's value only
+        from the holder's trial."""
+        key = config_key(config)
+        trial = self._pending.pop(key, None)
+        self._elsewhere.add(key)
+        if trial is not None:
+            trial.set_user_attr("measured_elsewhere", True)
+            self.study.tell(trial, state=TrialState.FAIL)
 
     def ask(self) -> dict[str, Any] | None:
         """The next config to measure, or None when the budget or the candidates are used
@@ -112,6 +140,7 @@ class SearchDriver:
         asked here or measured by another process."""
         key = config_key(config)
         trial = self._pending.pop(key, None)
+        self._elsewhere.discard(key)
         self.measured[key] = value
         self._tell(config, trial, value)
 
@@ -140,6 +169,15 @@ class SearchDriver:
             count += 1
         return count
 
+    def _todo(self) -> list[dict[str, Any]]:
+        """Candidates nobody has measured or is measuring, as far as this driver knows."""
+        return [c for c in self.candidates if (k := config_key(c)) not in self.measured
+                and k not in self._pending and k not in self._elsewhere]
+
+    def _room(self) -> int:
+        assert self.budget is not None
+        return max(0, self.budget - len(self.measured) - len(self._pending))
+
     def _tell(self, config: dict[str, Any], trial: optuna.Trial | None,
               value: float | None) -> None:
         if trial is not None:
@@ -161,7 +199,7 @@ class SearchDriver:
                 trial = self.study.ask(self.distributions)
             config = dict(trial.params)
             key = config_key(config)
-            if key not in self._feasible or key in self._pending:
+            if key not in self._feasible or key in self._pending or key in self._elsewhere:
                 self.study.tell(trial, state=TrialState.FAIL)
             elif key in self.measured:
                 self._tell(config, trial, self.measured[key])

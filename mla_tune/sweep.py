@@ -264,6 +264,11 @@ class _Sweep:
         config = self._take(g)
         if config is None and g.running == 0:
             left = self.store.claims(g.key)
+            if not g.driver.has_room():
+                # The budget is spent, so this sweep takes nothing more: it waits only for
+                # candidates other live sweeps are measuring now, not for queued or
+                # abandoned ones (a later sweep takes those).
+                left = [c for c in left if self._held_by_live_sweep(c)]
             if not left:
                 g.done = True
             elif self._note_dead(left):
@@ -271,20 +276,32 @@ class _Sweep:
         return config
 
     def _take(self, g: _Group) -> dict[str, Any] | None:
-        """Claim a queued (or abandoned) candidate of `g`; for sampled strategies, ask
-        the sampler for new ones and claim those."""
-        config = self.store.claim(g.key, self.owner, stale_after_s=self.options.stale_after_s,
-                                  dead_owners=self.dead)
-        if config is not None or self.options.strategy is Strategy.GRID:
-            return config
+        """Claim a queued (or abandoned) candidate of `g` while the budget allows; for
+        sampled strategies, ask the sampler for new ones and claim those."""
+        if g.driver.has_room():
+            config = self.store.claim(g.key, self.owner,
+                                      stale_after_s=self.options.stale_after_s,
+                                      dead_owners=self.dead)
+            if config is not None:
+                g.driver.taken(config)  # counts against the budget while it runs
+                return config
+        if self.options.strategy is Strategy.GRID:
+            return None
         while (proposal := g.driver.ask()) is not None:
             config = self.store.claim(g.key, self.owner,
                                       stale_after_s=self.options.stale_after_s,
                                       dead_owners=self.dead, config=proposal)
             if config is not None:
                 return config
-            g.driver.tell(proposal, None)  # measured or being measured by another sweep
+            g.driver.measured_elsewhere(proposal)  # another sweep holds it: not a failure
         return None
+
+    def _held_by_live_sweep(self, claim: ClaimRow) -> bool:
+        """Whether another sweep is measuring `claim` now (it is running, its holder is
+        not known dead and its heartbeats are fresh)."""
+        return (claim.state == "running" and claim.claimed_by not in self.dead
+                and claim.heartbeat_age_s is not None
+                and claim.heartbeat_age_s < self.options.stale_after_s)
 
     def _note_dead(self, claims: Collection[ClaimRow]) -> bool:
         """Remember holders of `claims` that died on this machine; True if any is new."""

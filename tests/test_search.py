@@ -92,3 +92,31 @@ def test_running_trials_of_a_dead_process_are_failed_unless_heartbeated(tmp_path
         states = {config_key(t.params): t.state for t in study.trials}
         assert states == {config_key(kept): optuna.trial.TrialState.RUNNING,
                           config_key(lost): optuna.trial.TrialState.FAIL}
+
+
+def test_a_config_held_elsewhere_is_neither_a_failure_nor_proposed_again():
+    d, study = _driver(Strategy.TPE, budget=3)
+    held = d.ask()
+    d.measured_elsewhere(held)
+    assert config_key(held) not in d.measured and d.remaining() == 3
+    (trial,) = study.trials
+    # FAIL is the state TPE ignores; the mark says why (no variant failed).
+    assert trial.state == optuna.trial.TrialState.FAIL
+    assert trial.user_attrs == {"measured_elsewhere": True}
+    out = [d.ask() for _ in range(3)]
+    assert None not in out and config_key(held) not in {config_key(c) for c in out}
+    assert d.ask() is None
+
+
+def test_configs_taken_from_the_queue_count_against_the_budget():
+    d, _ = _driver(Strategy.RANDOM, budget=3)
+    queued = list(SPACE.grid())[:2]
+    for c in queued:
+        d.taken(c)
+    assert d.remaining() == 1 and d.has_room()
+    asked = d.ask()
+    assert config_key(asked) not in {config_key(c) for c in queued}
+    assert d.ask() is None and not d.has_room()
+    for c in [*queued, asked]:
+        d.tell(c, _cost(c))
+    assert len(d.measured) == 3 and d.ask() is None

@@ -1,5 +1,6 @@
 import optuna
 import pytest
+import torch
 
 from mla_tune.backends import get_backend, register
 from mla_tune.db import TuningStore
@@ -82,3 +83,67 @@ def test_software_fingerprint_does_not_depend_on_the_backends_swept(store, monke
     run_sweep([shape], [get_backend("toylib")], store, opts)
     run_sweep([shape], [get_backend("toy")], store, opts)
     assert len({t.software_id for t in store.trials()}) == 1
+
+
+def _group_of(store, shape):
+    """The queue key a sweep used for `shape` with the toy backend (from its trials)."""
+    from mla_tune.db import TrialGroup
+
+    t = store.trials(shape_key=shape.key)[0]
+    return TrialGroup(t.device_id, t.software_id, shape.key, "toy", t.source_hash)
+
+
+def test_sampled_search_counts_queued_claims_against_the_budget(store):
+    """Candidates left queued by a grid run or a stopped sweep are claimed only while the
+    budget allows, and the sweep finishes with the rest still queued."""
+    shape = Shape.uniform(1, 8)
+    toy = get_backend("toy")
+    run_sweep([shape], [toy], store, SweepOptions(policy=FAST, baselines=False, budget=1))
+    group = _group_of(store, shape)
+    store.enqueue(group, toy.candidates(shape, torch.device("cpu")))
+    assert len(store.claims(group)) == 11
+    for strategy in (Strategy.TPE, Strategy.RANDOM):
+        run_sweep([shape], [toy], store, SweepOptions(policy=FAST, baselines=False, budget=4,
+                                                     strategy=strategy))
+        trials = store.trials(shape_key=shape.key)
+        assert len(trials) == 4 and len({t.config_key for t in trials}) == 4
+        left = store.claims(group)
+        assert len(left) == 8 and {c.state for c in left} == {"pending"}
+
+
+def test_a_proposal_another_sweep_holds_is_not_recorded_as_a_failure(store):
+    """The one candidate is claimed by a live sweep on another machine just before the
+    sampler proposes it: the proposal is closed without a failure that TPE or our table
+    would keep, and once the holder's claim goes stale this sweep takes it over."""
+    from mla_tune.backends import library_versions
+    from mla_tune.db import TrialGroup
+    from mla_tune.fingerprint import current_device, current_software
+
+    shape = Shape.uniform(1, 8)
+    toy = get_backend("toy")
+    only = {"delay_ms": 0, "mode": "ok"}
+    pins = {"toy": {k: [v] for k, v in only.items()}}
+    dev = torch.device("cpu")
+
+    class ClaimElsewhere:  # runs as the group opens, before this sweep claims anything
+        def shape_started(self, *a): ...
+        def trial_done(self, *a): ...
+        def shape_done(self, *a): ...
+
+        def backend_started(self, shape, backend, todo):
+            group = TrialGroup(store.device_id(current_device(dev)),
+                               store.software_id(current_software(library_versions(dev))),
+                               shape.key, backend, toy.source_hash())
+            assert store.claim(group, "elsewhere/boot/1", stale_after_s=60, config=only)
+
+    run_sweep([shape], [toy], store,
+              SweepOptions(policy=FAST, baselines=False, strategy=Strategy.TPE, pins=pins,
+                           heartbeat_s=0.5, stale_after_s=1.5), ClaimElsewhere())
+    trials = store.trials(shape_key=shape.key)
+    assert [(t.config, t.status) for t in trials] == [(only, "ok")]
+    storage = store.optuna_storage()
+    (summary,) = optuna.get_all_study_summaries(storage)
+    study = optuna.load_study(study_name=summary.study_name, storage=storage)
+    mine = sorted(((t.state.name, t.value, t.user_attrs.get("measured_elsewhere", False))
+                   for t in study.trials if t.params == only), key=str)
+    assert mine == [("COMPLETE", trials[0].median_us, False), ("FAIL", None, True)], mine

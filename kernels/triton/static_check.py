@@ -2,24 +2,29 @@
 
 Lets CI prove every variant of the default space builds for NVIDIA sm_90 and AMD gfx950,
 and lets the tuner skip variants that spill registers or do not fit in shared memory
-before spending device time. Results are cached on disk keyed by kernel source, constexprs,
-options and target, since compiling takes seconds per variant.
+before spending device time. Results are cached on disk keyed by kernel source, Triton
+version, constexprs, options and target, since compiling takes seconds per variant. Several
+processes (`--gpus N`, concurrent sweeps) share the cache: entries are written atomically
+and an unreadable one is recompiled.
+
+Which variants exist is the tuner's business: `python -m mla_tune.triton_variants`
+enumerates the Triton family's default space and compiles it with `compile_all`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kernels.triton import mla_decode as md
-
-CACHE_DIR = Path(os.environ.get("MLA_TUNE_CACHE", Path.home() / ".cache" / "mla-tune")) / "static"
 
 TARGETS = {
     "cuda:90": ("cuda", 90, 32),
@@ -27,9 +32,6 @@ TARGETS = {
 }
 SHARED_LIMIT = {"cuda:90": 232448, "hip:gfx950": 163840}
 """Max dynamic shared memory per block: H100/H200 227 KiB; MI355X (gfx950) 160 KiB LDS."""
-
-VGPR_LIMIT = {"hip:gfx950": 512}
-"""Architectural VGPRs (+AGPRs) per wave on CDNA3/4 at the lowest occupancy."""
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,49 @@ def variant_key(cfg: md.KernelConfig) -> tuple:
             cfg.num_stages, cfg.page_size > 1)
 
 
+def cache_dir() -> Path:
+    """Where reports are cached: `$MLA_TUNE_CACHE/static` (default ~/.cache/mla-tune)."""
+    root = os.environ.get("MLA_TUNE_CACHE") or Path.home() / ".cache" / "mla-tune"
+    return Path(root) / "static"
+
+
 def _cache_path(key: tuple, target: str) -> Path:
-    text = json.dumps([_source_hash(), list(key), target])
-    return CACHE_DIR / (hashlib.sha256(text.encode()).hexdigest()[:24] + ".json")
+    import triton
+
+    # The Triton version is part of the key: a compiler upgrade changes register use.
+    text = json.dumps([_source_hash(), triton.__version__, list(key), target])
+    return cache_dir() / (hashlib.sha256(text.encode()).hexdigest()[:24] + ".json")
+
+
+def _read_cache(path: Path, target: str) -> CompileReport | None:
+    """The cached report at `path`, or None when there is none or it is unreadable (a
+    corrupt or foreign file is a miss, recompiled and rewritten, never an error)."""
+    try:
+        rep = CompileReport(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    return rep if rep.target == target else None
+
+
+def _write_cache(path: Path, rep: CompileReport) -> None:
+    """Store `rep` at `path` atomically: written to a temporary file in the same folder,
+    then renamed over `path`, so a concurrent reader sees the old file or the new one,
+    never a partial one. A cache that cannot be written is only a lost speed-up."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.stem + ".",
+                                         suffix=".tmp", delete=False) as f:
+            tmp = f.name
+            f.write(json.dumps(asdict(rep)))
+        os.replace(tmp, path)
+        tmp = None
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def _cubin_usage(cubin: bytes) -> tuple[int, int]:
@@ -128,8 +170,8 @@ def compile_variant(cfg: md.KernelConfig, target: str, use_cache: bool = True) -
 
     key = variant_key(cfg)
     path = _cache_path(key, target)
-    if use_cache and path.exists():
-        return CompileReport(**json.loads(path.read_text()))
+    if use_cache and (cached := _read_cache(path, target)) is not None:
+        return cached
     sig = split_signature(cfg.kv_format)
     consts = cfg.constexprs(paged=cfg.page_size > 1, upcast=False)
     fn = md.mla_decode_kernel
@@ -158,8 +200,7 @@ def compile_variant(cfg: md.KernelConfig, target: str, use_cache: bool = True) -
         text = f"{type(e).__name__}: {msg[-1] if msg else ''} ({where.filename}:{where.lineno})"
         rep = CompileReport(target, False, error=text[:400], seconds=round(time.time() - t0, 2))
     if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(rep)))
+        _write_cache(path, rep)
     return rep
 
 
@@ -172,55 +213,19 @@ def check(cfg: md.KernelConfig, targets: list[str]) -> str | None:
     return None
 
 
-def default_variants() -> list[md.KernelConfig]:
-    """Distinct compiled split kernels of the declared default space, over all formats.
-    Runtime knobs (splits, fast mode, page size) are folded away."""
-    from mla_tune.backends.triton_family import TritonFamily
-    from mla_tune.problem import KVFormat, Shape
-    from mla_tune.space import load_backend_space
-
-    fam = TritonFamily()
-    seen: dict[tuple, md.KernelConfig] = {}
-    for fmt in KVFormat:
-        # A shape on which every block size is meaningful (128 rows, long sequences).
-        shape = Shape.uniform(1, 8192, q_len=4, heads=32, kv_format=fmt)
-        for point in load_backend_space("triton", "cuda").grid():
-            point = dict(point, num_splits=1)
-            if not fam.feasible(shape, point):
-                continue
-            cfg = md.KernelConfig(kv_format=fmt.value, compute=str(point["compute"]),
-                                  block_m=int(point["block_m"]), block_n=int(point["block_n"]),
-                                  num_warps=int(point["num_warps"]),
-                                  num_stages=int(point["num_stages"]),
-                                  page_size=int(point["page_size"]))
-            seen.setdefault(variant_key(cfg), cfg)
-    return list(seen.values())
-
-
 def _job(job: tuple[md.KernelConfig, str]) -> dict:
     cfg, target = job
     return {"config": asdict(cfg), "report": asdict(compile_variant(cfg, target))}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Compile every default-space variant for both targets; one JSON line per report.
-    Exit status 1 if any variant fails to compile."""
-    import argparse
+def compile_all(cfgs: Iterable[md.KernelConfig], targets: Iterable[str] = tuple(TARGETS),
+                jobs: int = 2) -> Iterator[dict]:
+    """Compile every config for every target in `jobs` spawned worker processes; yields
+    {"config": ..., "report": ...} rows (plain dicts) in order."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
-    a = ap.parse_args(argv)
-    jobs = [(cfg, t) for cfg in default_variants() for t in TARGETS]
-    failed = 0
+    work = [(cfg, t) for cfg in cfgs for t in targets]
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max(1, a.jobs), mp_context=ctx) as ex:
-        for row in ex.map(_job, jobs):
-            failed += not row["report"]["ok"]
-            print(json.dumps(row), flush=True)
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    with ProcessPoolExecutor(max(1, jobs), mp_context=ctx) as ex:
+        yield from ex.map(_job, work)

@@ -2,15 +2,22 @@
 AMD gfx950 through Triton's cross-compilation (no GPU needed), and the precheck reports any
 that spill registers or overflow shared memory instead of letting them reach a GPU.
 
-The compiles run in a child process (`python -m kernels.triton.static_check`, two workers):
-Triton kernels must be defined without TRITON_INTERPRET, whatever other tests do."""
+The compiles run in child processes (`python -m mla_tune.triton_variants`, two workers, and
+spawned pools): Triton kernels must be defined without TRITON_INTERPRET, whatever other tests
+do. The report cache is shared by concurrent sweeps and workers, so it is tested under
+concurrency too."""
 
 from __future__ import annotations
 
+import ast
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+import threading
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -24,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def reports() -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "kernels.triton.static_check"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "mla_tune.triton_variants"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=900)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert rows, proc.stderr[-3000:]
@@ -32,17 +39,26 @@ def reports() -> list[dict]:
 
 
 def test_default_space_is_compact() -> None:
-    from kernels.triton import static_check
+    from mla_tune.triton_variants import default_variants
 
-    assert 0 < len(static_check.default_variants()) <= 24
+    assert 0 < len(default_variants()) <= 24
+
+
+def test_kernels_do_not_import_the_tuner() -> None:
+    """kernels/ is imported by the backends, so it must not import mla_tune back."""
+    for path in (ROOT / "kernels").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if n.split(".")[0] == "mla_tune"], (path, names)
 
 
 def test_every_variant_compiles_for_both_targets(reports: list[dict]) -> None:
-    from kernels.triton import static_check
+    from mla_tune.triton_variants import default_variants
 
     failed = [(r["config"], r["report"]["error"]) for r in reports if not r["report"]["ok"]]
     assert not failed, failed[:3]
-    assert len(reports) == 2 * len(static_check.default_variants())
+    assert len(reports) == 2 * len(default_variants())
     assert {r["report"]["target"] for r in reports} == {"cuda:90", "hip:gfx950"}
 
 
@@ -66,3 +82,101 @@ def test_measured_best_variant_is_clean(reports: list[dict]) -> None:
             if (r["config"]["kv_format"], r["config"]["compute"], r["config"]["block_n"],
                 r["config"]["num_stages"]) == ("bf16", "bf16", 32, 3)]
     assert len(good) == 2 and all(g.problem() is None for g in good), good
+
+
+# --- the report cache under concurrency --------------------------------------------------
+
+def _tiny():
+    """The cheapest default-space variant to compile (bf16, 32-token tiles)."""
+    from kernels.triton.mla_decode import KernelConfig
+
+    return KernelConfig(kv_format="bf16", compute="bf16", block_n=32, num_stages=2)
+
+
+def _check_tiny(_: int) -> tuple[str | None, list[dict]]:
+    """In a pool worker: `check` then `compile_variant` of the tiny variant, both targets."""
+    from kernels.triton import static_check as sc
+
+    problem = sc.check(_tiny(), list(sc.TARGETS))
+    return problem, [asdict(sc.compile_variant(_tiny(), t)) for t in sc.TARGETS]
+
+
+def _resources(rep: dict) -> tuple:
+    return rep["target"], rep["ok"], rep["registers"], rep["spills"], rep["shared"]
+
+
+def test_cache_entries_are_replaced_atomically(tmp_path: Path) -> None:
+    """Readers racing writers of one entry always read a whole report, never a partial
+    file (which used to escape `precheck` and store the candidate as failed)."""
+    from kernels.triton.static_check import CompileReport, _read_cache, _write_cache
+
+    path = tmp_path / "static" / "entry.json"
+    reports = [CompileReport("cuda:90", True, 100 + i, 0, 1000 * i, seconds=0.5)
+               for i in range(2)]
+    _write_cache(path, reports[0])
+    done = threading.Event()
+    bad: list[object] = []
+
+    def write(rep: CompileReport) -> None:
+        for _ in range(300):
+            _write_cache(path, rep)
+
+    def read() -> None:
+        while not done.is_set():
+            got = _read_cache(path, "cuda:90")
+            if got not in reports:
+                bad.append(got)
+
+    readers = [threading.Thread(target=read) for _ in range(4)]
+    writers = [threading.Thread(target=write, args=(r,)) for r in reports]
+    for t in readers + writers:
+        t.start()
+    for t in writers:
+        t.join()
+    done.set()
+    for t in readers:
+        t.join()
+    assert not bad, bad[:3]
+    assert [p.name for p in path.parent.iterdir()] == ["entry.json"]  # no temp files left
+
+
+@pytest.mark.parametrize("text", ["", '{"target": "cuda:90", "ok": tr', "[1, 2]",
+                                  '{"target": "cuda:90", "bogus": 1}',
+                                  '{"target": "hip:gfx950", "ok": true}', "\udcff"])
+def test_unreadable_cache_entries_are_misses(tmp_path: Path, text: str) -> None:
+    from kernels.triton.static_check import _read_cache
+
+    path = tmp_path / "e.json"
+    path.write_text(text, errors="surrogateescape")
+    assert _read_cache(path, "cuda:90") is None
+    assert _read_cache(tmp_path / "missing.json", "cuda:90") is None
+
+
+def test_concurrent_checks_of_one_variant_agree_and_corrupt_entries_are_rewritten(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Several processes check the same variant at once on a fresh cache: all succeed with
+    the same resources. A corrupt entry is then recompiled and rewritten, not an error."""
+    from kernels.triton import static_check as sc
+
+    monkeypatch.setenv("MLA_TUNE_CACHE", str(tmp_path))  # read by the spawned workers
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(4, mp_context=ctx) as ex:
+        results = list(ex.map(_check_tiny, range(8)))
+        assert all(problem is None for problem, _ in results), results
+        seen = {tuple(_resources(r) for r in reps) for _, reps in results}
+        assert len(seen) == 1, seen
+        ((cuda, hip),) = seen
+        assert cuda[:2] == ("cuda:90", True) and hip[:2] == ("hip:gfx950", True)
+
+        path = sc._cache_path(sc.variant_key(_tiny()), "cuda:90")
+        assert sc._read_cache(path, "cuda:90") is not None
+        assert sorted(p.suffix for p in sc.cache_dir().iterdir()) == [".json", ".json"]
+        path.write_text(path.read_text()[:20])  # what a torn write used to leave
+        stamp = sc._read_cache(sc._cache_path(sc.variant_key(_tiny()), "hip:gfx950"),
+                               "hip:gfx950")
+        problem, reps = ex.submit(_check_tiny, 0).result()
+    assert problem is None and [_resources(r) for r in reps] == [cuda, hip]
+    rewritten = sc._read_cache(path, "cuda:90")
+    assert rewritten is not None and _resources(asdict(rewritten)) == cuda
+    assert sc._read_cache(sc._cache_path(sc.variant_key(_tiny()), "hip:gfx950"),
+                          "hip:gfx950") == stamp  # the intact entry was reused as it was
