@@ -333,14 +333,16 @@ def _print_report(rows: Sequence[Any], suite: Sequence[Shape] | None) -> None:
 
 
 @app.command()
-def doctor(device: str | None = typer.Option(None, help="cuda or cpu.")) -> None:
-    """Device, versions, and which backends are available (and why not)."""
+def doctor(device: str | None = typer.Option(None, help="cuda or cpu."),
+           db: str | None = typer.Option(None, help=DB_HELP)) -> None:
+    """Device, versions, which backends are available (and why not), and how many stored
+    winners the dispatcher would use here."""
     import torch
 
     from mla_tune.backends import backend_names, get_backend
-    from mla_tune.fingerprint import current_device, current_software
-
     from mla_tune.db import resolve_url
+    from mla_tune.dispatch import Dispatcher
+    from mla_tune.fingerprint import current_device, current_software
 
     try:
         dev = torch.device(device or _default_device())
@@ -351,7 +353,8 @@ def doctor(device: str | None = typer.Option(None, help="cuda or cpu.")) -> None
               f"{fp.memory_bytes / 2**30:.1f} GiB) fingerprint {fp.hash}")
     sw = current_software()
     out.print("software: " + ", ".join(f"{k} {v}" for k, v in sw.versions))
-    out.print(f"tuning DB: {resolve_url().render_as_string(hide_password=True)}")
+    out.print(f"tuning DB: {resolve_url(db).render_as_string(hide_password=True)}")
+    out.print(f"winners usable here: {Dispatcher.from_db(db, dev).summary()}", highlight=False)
     table = Table(title="backends")
     for col in ("backend", "available", "why not"):
         table.add_column(col)

@@ -1,6 +1,7 @@
 """End-to-end CLI runs on a temporary SQLite DB (real torch family on CPU)."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -92,8 +93,11 @@ def test_non_sqlite_and_unreadable_db_are_refused(tmp_path):
     assert r.exit_code == 2
 
 
-def test_module_entry_point_and_doctor():
-    r = subprocess.run([sys.executable, "-m", "mla_tune", "doctor", "--device", "cpu"],
-                       capture_output=True, text=True, timeout=120)
+def test_module_entry_point_and_doctor(seeded_db):
+    r = subprocess.run([sys.executable, "-m", "mla_tune", "doctor", "--device", "cpu",
+                        "--db", str(seeded_db)],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "COLUMNS": "250"})
     assert r.returncode == 0, r.stderr
     assert "torch" in r.stdout and "backends" in r.stdout
+    assert "winners usable here: 1 tuned shape(s)" in r.stdout
