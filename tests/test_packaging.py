@@ -1,0 +1,22 @@
+"""An installed (non-editable) mla-tune must carry its data: spaces, suites, tolerances,
+migrations and the shipped winners table."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_wheel_contains_data_files(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path),
+                    str(ROOT)], check=True, timeout=300, cwd=tmp_path, capture_output=True)
+    wheel = next(tmp_path.glob("mla_tune-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for config in (ROOT / "configs").rglob("*.toml"):
+        assert config.relative_to(ROOT).as_posix() in names
+    assert "mla_tune/winners.json" in names
+    assert "mla_tune/db/migrations/env.py" in names
+    assert any(n.startswith("mla_tune/db/migrations/versions/0002") for n in names)
+    assert "kernels/triton/mla_decode.py" in names
