@@ -104,6 +104,7 @@ def sweep(
     no_baseline: bool = typer.Option(False, "--no-baseline", help="Do not add library/torch baselines."),
     seed: int = typer.Option(0, help="Input seed."),
     pin: list[str] = typer.Option([], "--pin", help="Narrow a knob: BACKEND.KNOB=V1[,V2...], e.g. triton.num_splits=1,4 (repeatable)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List the candidates per shape and backend (and why a backend is skipped), then stop: nothing is run or stored."),
 ) -> None:
     """Tune shapes: enumerate variants, verify each against the reference, time it, store it.
 
@@ -135,6 +136,9 @@ def sweep(
             fail(str(exc))
     devices = _sweep_devices(device or _default_device(), gpus)
     pins = _pins(pin, devices[0])
+    if dry_run:
+        _print_plan(shapes, resolve_backends(backend, not no_baseline), devices[0], pins)
+        return
     store = _open_store(db)
     options = SweepOptions(devices=devices, strategy=strat, budget=budget, seed=seed,
                            policy=TimingPolicy(budget_s=time_budget), baselines=not no_baseline,
@@ -204,6 +208,36 @@ def _sweep_devices(dev: str, gpus: str | None) -> tuple[str, ...]:
     if not gpus.strip().isdigit() or not 1 <= int(gpus) <= count:
         fail(f"--gpus must be a number from 1 to {count} (GPUs seen) or all, got {gpus!r}")
     return tuple(f"cuda:{i}" for i in range(int(gpus)))
+
+
+def _print_plan(shapes: Sequence[Shape], backends: Sequence[Any], device: str,
+                pins: dict[str, dict[str, list[Any]]]) -> None:
+    """What a sweep would measure: feasible candidates per shape and backend."""
+    import torch
+
+    dev = torch.device(device)
+    table = Table(title=f"sweep plan on {device}")
+    for col in ("shape", *(b.name for b in backends)):
+        table.add_column(col)
+    reasons = {b.name: b.available(dev) for b in backends}
+    total = 0
+    for shape in shapes:
+        cells = []
+        for b in backends:
+            why = None if reasons[b.name] else "unavailable"
+            why = why or b.supports(shape)
+            if why:
+                cells.append("-")
+                continue
+            n = len(b.candidates(shape, dev, pins.get(b.name)))
+            total += n
+            cells.append(str(n))
+        table.add_row(shape.label(), *cells)
+    out.print(table)
+    out.print(f"{total} candidates in all")
+    for name, avail in reasons.items():
+        if not avail:
+            console.print(f"skipped {name}: {avail.reason}", highlight=False)
 
 
 def _print_winners(results: Sequence[Any]) -> None:

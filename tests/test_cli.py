@@ -83,6 +83,22 @@ def test_pins_narrow_the_candidates(tmp_path):
     assert len(configs) == 2  # chunk_size 0 and 256 remain
 
 
+def test_dry_run_lists_candidates_and_stores_nothing(tmp_path):
+    from mla_tune.backends import get_backend
+    from mla_tune.problem import Shape
+
+    db = tmp_path / "tuning.db"
+    r = runner.invoke(app, ["sweep", "--db", str(db), "--device", "cpu", "--shape", "4x1024",
+                            "-f", "fp8", "--dry-run", "--pin", "torch.num_splits=1"],
+                      env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    expected = len(get_backend("torch").candidates(Shape.uniform(4, 1024, kv_format="fp8"),
+                                                   "cpu", {"num_splits": [1]}))
+    assert f"{expected} candidates in all" in r.stdout and expected > 0
+    assert "skipped flashinfer" in r.output
+    assert not db.exists()
+
+
 def test_non_sqlite_and_unreadable_db_are_refused(tmp_path):
     bogus = tmp_path / "notes.db"
     bogus.write_text("this is not a database\n")
