@@ -17,7 +17,6 @@ once, before either timed run, and stored in both DBs, so neither sweep spends t
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import subprocess
 import sys
@@ -30,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mla_tune.db import TuningStore  # noqa: E402
+from mla_tune.report import geomean  # noqa: E402
 
 TARGET = 1.8
 _SEED_BANDWIDTH = """
@@ -72,8 +72,7 @@ def _summary(db: Path) -> str:
         winners = store.winners()
     status = Counter(t.status for t in trials)
     per_gpu = Counter(t.worker for t in trials)
-    geo = (math.exp(sum(math.log(w.median_us) for w in winners) / len(winners))
-           if winners else float("nan"))
+    geo = geomean(w.median_us for w in winners) or float("nan")
     return (f"{len(trials)} trials ({', '.join(f'{k} {v}' for k, v in sorted(status.items()))}); "
             f"per GPU: {', '.join(f'{k} {v}' for k, v in sorted(per_gpu.items()))}; "
             f"{len(winners)} winners, geomean {geo:.1f} us")

@@ -26,10 +26,10 @@ import torch  # noqa: E402
 
 from kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher  # noqa: E402
 from mla_tune import quant  # noqa: E402
+from mla_tune.problem import KVFormat  # noqa: E402
 from mla_tune.timing import CudaTimer, TimingPolicy  # noqa: E402
 
 CEILING_TBS = 4.58
-BYTES_PER_TOKEN = {"bf16": 1152, "fp8": 576, "mxfp4": 306}
 FLASHINFER_US = {  # problem.md, H200 cold L2, q_len 1, 16 heads
     "bf16": {(4, 1024): 16.8, (32, 1024): 25.0, (64, 1024): 36.8, (128, 1024): 54.2,
              (256, 1024): 92.8, (4, 8192): 31.4, (32, 8192): 89.6, (64, 8192): 157.2,
@@ -213,7 +213,7 @@ def main() -> None:
                 bl.prepare(args[2].stride(0) if args[2] is not None else 0)
                 best["gpu_us"] = gpu_only_us(lambda: bl(q, *args, qo, kvp), timer._flush)
                 out_f.write(json.dumps(dict(best, best=True)) + "\n")
-                tbs = batch * kv_len * BYTES_PER_TOKEN[fmt] / best["us"] / 1e6
+                tbs = batch * kv_len * KVFormat(fmt).bytes_per_token / best["us"] / 1e6
                 fi = FLASHINFER_US.get(fmt, {}).get((batch, kv_len))
                 c = best["cfg"]
                 desc = (f"{c['compute']} bn{c['block_n']} w{c['num_warps']} s{c['num_stages']} "

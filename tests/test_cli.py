@@ -89,7 +89,8 @@ def test_dry_run_lists_candidates_and_stores_nothing(tmp_path):
 
     db = tmp_path / "tuning.db"
     r = runner.invoke(app, ["sweep", "--db", str(db), "--device", "cpu", "--shape", "4x1024",
-                            "-f", "fp8", "--dry-run", "--pin", "torch.num_splits=1"],
+                            "-f", "fp8", "--backend", "torch", "--dry-run",
+                            "--pin", "torch.num_splits=1"],
                       env={"COLUMNS": "250"})
     assert r.exit_code == 0, r.output
     expected = len(get_backend("torch").candidates(Shape.uniform(4, 1024, kv_format="fp8"),

@@ -330,10 +330,6 @@ def _aware(dt: datetime) -> datetime:
     return dt if dt.tzinfo is not None else dt.replace(tzinfo=timezone.utc)
 
 
-def _dumps(obj: Mapping[str, Any]) -> str:
-    return json.dumps(dict(obj), sort_keys=True, separators=(",", ":"))
-
-
 def _trial_row(t: Trial) -> TrialRow:
     return TrialRow(
         id=t.id, device_id=t.device_id, software_id=t.software_id, shape_key=t.shape_key,
@@ -528,7 +524,7 @@ class TuningStore:
         """Id of the software-stack row for `fp`, created on first sight."""
         with self._session() as s:
             s.execute(self._insert(Software).values(
-                hash=fp.hash, versions_json=_dumps(fp.to_json()),
+                hash=fp.hash, versions_json=config_key(fp.to_json()),
             ).on_conflict_do_nothing(index_elements=["hash"]))
             return s.execute(select(Software.id).where(Software.hash == fp.hash)).scalar_one()
 
@@ -580,7 +576,7 @@ class TuningStore:
         kv = kv_format.value if isinstance(kv_format, enum.Enum) else str(kv_format)
         with self._session() as s:
             s.execute(self._insert(Trial).values(
-                **key, shape_json=_dumps(shape_json), kv_format=kv, config_json=_dumps(config),
+                **key, shape_json=config_key(shape_json), kv_format=kv, config_json=config_key(config),
                 status=status, **{k: stats.get(k) for k in STAT_KEYS},
                 max_abs_err=max_abs_err, mismatch_frac=mismatch_frac, error=error,
                 worker=worker, created_at=utcnow(),
@@ -604,7 +600,7 @@ class TuningStore:
     def enqueue(self, group: TrialGroup, configs: Iterable[Mapping[str, Any]]) -> None:
         """Queue candidates of `group` for measurement, in order; measured or already
         queued ones are left alone."""
-        rows = {config_key(c): _dumps(c) for c in configs}
+        rows = {config_key(c): config_key(c) for c in configs}
         with self._session() as s:
             measured = set(s.scalars(select(Trial.config_key).where(*group.where(Trial))))
             values = [{**{k: getattr(group, k) for k in _GROUP_KEY}, "config_key": k,
@@ -637,7 +633,7 @@ class TuningStore:
                 key = config_key(config)
                 s.execute(self._insert(Claim).values(
                     **{k: getattr(group, k) for k in _GROUP_KEY}, config_key=key,
-                    config_json=_dumps(config), state="pending", created_at=utcnow(),
+                    config_json=config_key(config), state="pending", created_at=utcnow(),
                 ).on_conflict_do_nothing(index_elements=list(_TRIAL_KEY)))
                 query = query.where(Claim.config_key == key)
             row = s.execute(query).first()
