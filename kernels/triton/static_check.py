@@ -25,11 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kernels.triton import mla_decode as md
+from kernels.triton.precompile import TARGETS, jit_compile
 
-TARGETS = {
-    "cuda:90": ("cuda", 90, 32),
-    "hip:gfx950": ("hip", "gfx950", 64),
-}
 SHARED_LIMIT = {"cuda:90": 232448, "hip:gfx950": 163840}
 """Max dynamic shared memory per block: H100/H200 227 KiB; MI355X (gfx950) 160 KiB LDS."""
 
@@ -57,20 +54,6 @@ class CompileReport:
         return None
 
 
-_PTR = {"bf16": "*bf16", "fp8": "*fp8e4nv", "mxfp4": "*u8"}
-
-
-def split_signature(kv_format: str) -> dict[str, str]:
-    """Argument types of `mla_decode_kernel` as the launcher passes them."""
-    return {
-        "Q": "*bf16", "KV": _PTR[kv_format], "KV_SCALE": "*fp32", "KV_SC": "*u8",
-        "sc_stride": "i32", "QO_INDPTR": "*i32", "KV_INDPTR": "*i32", "PAGE_TBL": "*i32",
-        "PAGE_INDPTR": "*i32", "page_shift": "i32", "OUT": "*bf16", "PART_O": "*fp32",
-        "PART_LSE": "*fp32", "COUNTERS": "*i32", "H": "i32", "total_rows": "i32",
-        "n_splits": "i32", "qk_scale": "fp32", "fast": "i32",
-    }
-
-
 def _source_hash() -> str:
     return hashlib.sha256(Path(md.__file__).read_bytes()).hexdigest()[:16]
 
@@ -80,6 +63,12 @@ def variant_key(cfg: md.KernelConfig) -> tuple:
     the page size value) do not, only whether a page table is read."""
     return (cfg.kv_format, cfg.compute, cfg.block_m, cfg.block_n, cfg.num_warps,
             cfg.num_stages, cfg.page_size > 1)
+
+
+def compiled_key(cfg: md.KernelConfig, heads: int = 16) -> tuple:
+    """What distinguishes compiled kernels of a launch with `heads` query heads: the
+    variant, and whether `heads` is a multiple of 16 (Triton specializes on it)."""
+    return (*variant_key(cfg), heads % 16 == 0)
 
 
 def cache_dir() -> Path:
@@ -160,32 +149,22 @@ def _amdgcn_usage(asm: str) -> tuple[int, int]:
     return vgpr + agpr, spill
 
 
-def compile_variant(cfg: md.KernelConfig, target: str, use_cache: bool = True) -> CompileReport:
-    """Cross-compile the split kernel of `cfg` for `target` ('cuda:90' or 'hip:gfx950')."""
+def compile_variant(cfg: md.KernelConfig, target: str, use_cache: bool = True,
+                    heads: int = 16) -> CompileReport:
+    """Cross-compile the split kernel of `cfg` for `target` ('cuda:90' or 'hip:gfx950'),
+    specialized as a launch with `heads` query heads is. The compile lands in Triton's
+    cache under the key the launcher looks up, so checking a variant also compiles it
+    ahead for the GPU that runs it."""
     import time
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    key = variant_key(cfg)
-    path = _cache_path(key, target)
+    path = _cache_path(compiled_key(cfg, heads), target)
     if use_cache and (cached := _read_cache(path, target)) is not None:
         return cached
-    sig = split_signature(cfg.kv_format)
-    consts = cfg.constexprs(paged=cfg.page_size > 1, upcast=False)
-    fn = md.mla_decode_kernel
-    for name in consts:
-        sig[name] = "constexpr"
-    # As the JIT specializes a launch: tensors 16-byte aligned, H a multiple of 16 (the
-    # other integers are declared do_not_specialize).
-    aligned = [n for n, t in sig.items() if t.startswith("*")] + ["H"]
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    fn, args, kwargs = md.kernel_launches(cfg, heads=heads, paged=cfg.page_size > 1,
+                                          merge=False)[0]
     t0 = time.time()
     try:
-        src = ASTSource(fn, sig, consts, attrs)
-        k = triton.compile(src, target=GPUTarget(*TARGETS[target]),
-                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        k = jit_compile(fn, target, args, kwargs)
         if target.startswith("cuda"):
             regs, spills = _cubin_usage(k.asm["cubin"])
         else:
@@ -204,10 +183,22 @@ def compile_variant(cfg: md.KernelConfig, target: str, use_cache: bool = True) -
     return rep
 
 
-def check(cfg: md.KernelConfig, targets: list[str]) -> str | None:
+def compile_ahead(cfg: md.KernelConfig, target: str, heads: int = 16) -> str | None:
+    """Compile every kernel a launcher of `cfg` may use (split and merge kernels) into
+    Triton's cache for `target`, and return the variant's static-check problem (None when
+    it compiles cleanly). For a sweep's compile stage: GPU workers then only load."""
+    problem = compile_variant(cfg, target, heads=heads).problem()
+    for fn, args, kwargs in md.kernel_launches(cfg, heads=heads, paged=cfg.page_size > 1,
+                                               merge=True):
+        if problem is None:
+            jit_compile(fn, target, args, kwargs)  # a cache hit when just checked
+    return problem
+
+
+def check(cfg: md.KernelConfig, targets: list[str], heads: int = 16) -> str | None:
     """First problem of `cfg` on any of `targets`, or None when it compiles cleanly."""
     for t in targets:
-        problem = compile_variant(cfg, t).problem()
+        problem = compile_variant(cfg, t, heads=heads).problem()
         if problem:
             return problem
     return None

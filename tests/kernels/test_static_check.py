@@ -168,15 +168,15 @@ def test_concurrent_checks_of_one_variant_agree_and_corrupt_entries_are_rewritte
         ((cuda, hip),) = seen
         assert cuda[:2] == ("cuda:90", True) and hip[:2] == ("hip:gfx950", True)
 
-        path = sc._cache_path(sc.variant_key(_tiny()), "cuda:90")
+        path = sc._cache_path(sc.compiled_key(_tiny()), "cuda:90")
         assert sc._read_cache(path, "cuda:90") is not None
         assert sorted(p.suffix for p in sc.cache_dir().iterdir()) == [".json", ".json"]
         path.write_text(path.read_text()[:20])  # what a torn write used to leave
-        stamp = sc._read_cache(sc._cache_path(sc.variant_key(_tiny()), "hip:gfx950"),
+        stamp = sc._read_cache(sc._cache_path(sc.compiled_key(_tiny()), "hip:gfx950"),
                                "hip:gfx950")
         problem, reps = ex.submit(_check_tiny, 0).result()
     assert problem is None and [_resources(r) for r in reps] == [cuda, hip]
     rewritten = sc._read_cache(path, "cuda:90")
     assert rewritten is not None and _resources(asdict(rewritten)) == cuda
-    assert sc._read_cache(sc._cache_path(sc.variant_key(_tiny()), "hip:gfx950"),
+    assert sc._read_cache(sc._cache_path(sc.compiled_key(_tiny()), "hip:gfx950"),
                           "hip:gfx950") == stamp  # the intact entry was reused as it was
