@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -51,16 +52,22 @@ def _decode_e2m1(packed, scale):
 
     The block scale is added to the exponent, so the bf16 value is exact (E2M1 has one
     mantissa bit) and no multiply is needed. Byte i holds element 2i (low) and 2i+1 (high).
+    Both nibbles of a byte are decoded at once in one int32 (two bf16 bit patterns, element
+    2i in the low half), so no full-size int32 intermediate exists per element.
     """
     p = packed.to(tl.int32)
-    v = tl.join(p & 15, p >> 4)  # [R, NB, 16, 2]: element order 32*blk + 2*byte + nibble
-    s = scale.to(tl.int32)[:, :, None, None] - 1
-    mag = v & 7
-    # mag >= 2: exponent e2 + s - 1 and mantissa bit m -> bits (mag << 6) + (s - 1) << 7;
-    # mag == 1 (0.5): exponent s - 1, no mantissa; mag == 0: zero.
-    bits = tl.where(mag >= 2, (mag << 6) + (s << 7), tl.where(mag == 1, s << 7, 0))
-    bits = bits | ((v & 8) << 12)
-    out = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    x = (p | (p << 12)) & 0x000F000F  # low nibble in bits 0-3, high nibble in bits 16-19
+    m = x & 0x00070007  # magnitudes
+    nz = ((m + 0x00070007) >> 3) & 0x00010001  # per half: m >= 1
+    ge2 = ((m + 0x00060006) >> 3) & 0x00010001  # per half: m >= 2 (normal: exponent >= 1)
+    # Per half: m >= 2 -> (m << 6) + ((s - 1) << 7); m == 1 (0.5) -> (s - 1) << 7; 0 -> 0.
+    # = nz * ((s - 1) * 128 - 64) + ((m + ge2) << 6); exact mod 2**32 since each half's
+    # result lies in [0, 0x8000) for scale bytes 1..253 (borrows between halves cancel).
+    e = (scale.to(tl.int32) * 128 - 192)[:, :, None]
+    bits = nz * e + ((m + ge2) << 6) + ((x & 0x00080008) << 12)
+    lo = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    hi = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    out = tl.join(lo, hi)  # [R, NB, 16, 2]: element order 32*blk + 2*byte + nibble
     R: tl.constexpr = packed.shape[0]
     NB: tl.constexpr = packed.shape[1]
     return tl.reshape(out, [R, NB * 32])
@@ -83,8 +90,14 @@ def _load_kv_tile(KV, KV_SC, sc_stride, phys, n_ok,
         srow = phys[:, None] * sc_stride
         sn = tl.load(KV_SC + srow + blk[None, :], mask=n_ok[:, None], other=0)
         sr = tl.load(KV_SC + srow + 16 + rblk[None, :], mask=n_ok[:, None], other=0)
-        kn = _decode_e2m1(pn, sn)
-        kr = _decode_e2m1(pr, sr)
+        if sc_stride >= 0:  # always (a row stride); see below
+            kn = _decode_e2m1(pn, sn)
+            kr = _decode_e2m1(pr, sr)
+        else:
+            # Same decode. The branch only keeps the compiler from re-decoding the tile in
+            # each MMA operand layout (it does not rematerialize across an scf.if).
+            kn = _decode_e2m1(pn, sn)
+            kr = _decode_e2m1(pr, sr)
     else:
         row = phys[:, None] * D_QK
         kn = tl.load(KV + row + tl.arange(0, D_NOPE)[None, :], mask=n_ok[:, None], other=0.0)
@@ -179,8 +192,15 @@ def _attend_tile(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start,
     # Transposed products (keys and value dims as the MMA's M side, query rows as N): the
     # KV tile is the A operand straight from shared memory, and a handful of query rows
     # only set N, so the accumulator stays small and Hopper can use wgmma.
-    s = tl.dot(kn, qnT)
-    s = tl.dot(kr, qrT, s)
+    if KV_FMT == 2:
+        # MXFP4: (query rows x keys), the decoded tile as B operand. With keys as M, each
+        # warp of the 16-row MMA would hold a copy of a whole 16-key slab of the tile.
+        sT = tl.dot(tl.trans(qnT), tl.trans(kn))
+        sT = tl.dot(tl.trans(qrT), tl.trans(kr), sT)
+        s = tl.trans(sT)
+    else:
+        s = tl.dot(kn, qnT)
+        s = tl.dot(kr, qrT, s)
     s = s * row_scale[None, :]
     valid = n_ok[:, None] & (offs_n[:, None] <= limit[None, :])
     s = tl.where(valid, s, float("-inf"))
@@ -339,6 +359,31 @@ class KernelConfig:
         }
 
 
+_KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8}
+
+
+def kernel_launches(cfg: KernelConfig, *, heads: int, paged: bool, merge: bool,
+                    sc_stride: int = 0, upcast: bool = False) -> list[tuple[Any, tuple, dict]]:
+    """The kernels a launcher of `cfg` compiles, as (kernel, args, kwargs) for `warmup`:
+    pointers as dtypes, integers with values of the same specialization as a real launch
+    (`H` is specialized on divisibility by 16; the other integers are not specialized).
+    `merge` adds the second-launch merge kernel. Launcher and compile-ahead both build from
+    this, so a kernel compiled ahead is the one the launcher finds in Triton's cache."""
+    kv = _KV_DTYPES[cfg.kv_format]
+    f32, i32 = torch.float32, torch.int32
+    split_args = (torch.bfloat16, kv, f32, torch.uint8, sc_stride, i32, i32, i32, i32,
+                  0, torch.bfloat16, f32, f32, i32, heads, 1, 1, 1.0, int(cfg.fast_mode))
+    launches = [(mla_decode_kernel, split_args,
+                 dict(cfg.constexprs(paged, upcast), num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages))]
+    if merge:
+        merge_args = (i32, i32, f32, f32, torch.bfloat16, heads, 1, 1)
+        launches.append((mla_merge_kernel, merge_args,
+                         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=4,
+                              num_stages=1)))
+    return launches
+
+
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (CPU tensors, slow, bf16 dot must be upcast)."""
     import os
@@ -429,41 +474,34 @@ class MlaDecodeLauncher:
                       self.total_rows, self.n_splits)
         return split_args, merge_args
 
-    def _launch_jit(self, split_args: tuple, merge_args: tuple, warmup: bool = False) -> tuple:
+    def _launch_jit(self, split_args: tuple, merge_args: tuple) -> None:
         c = self.cfg
-        opts = dict(num_warps=c.num_warps, num_stages=c.num_stages)
-        if warmup:
-            k1 = mla_decode_kernel.warmup(*split_args, **self.constexprs, **opts, grid=self.grid)
-        else:
-            k1 = mla_decode_kernel[self.grid](*split_args, **self.constexprs, **opts)
-        k2 = None
+        mla_decode_kernel[self.grid](*split_args, **self.constexprs, num_warps=c.num_warps,
+                                     num_stages=c.num_stages)
         if self.separate_merge:
-            mopts = dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, num_warps=4, num_stages=1)
-            if warmup:
-                k2 = mla_merge_kernel.warmup(*merge_args, **mopts, grid=self.merge_grid)
-            else:
-                k2 = mla_merge_kernel[self.merge_grid](*merge_args, **mopts)
-        return k1, k2
+            mla_merge_kernel[self.merge_grid](*merge_args, BLOCK_M=c.block_m,
+                                              BLOCK_N=c.block_n, num_warps=4, num_stages=1)
 
     def prepare(self, sc_stride: int = 0) -> None:
-        """Compile both kernels now (not on the first timed call) and keep their raw
-        launchers, so calls skip Triton's per-call argument binding and cache lookup.
-        Pointer arguments are given as dtypes; `sc_stride` is the MXFP4 scale row stride."""
+        """Compile both kernels now (not on the first timed call; a kernel compiled ahead
+        is loaded from Triton's cache) and keep their raw launchers, so calls skip Triton's
+        per-call argument binding and cache lookup. `sc_stride` is the MXFP4 scale row
+        stride."""
         if self.upcast:
             return
         from triton import knobs
         from triton.runtime import driver
 
-        kv_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn,
-                    "mxfp4": torch.uint8}[self.cfg.kv_format]
-        split_args, merge_args = self._args(torch.bfloat16, kv_dtype, torch.float32,
-                                            torch.uint8, sc_stride, torch.int32, torch.int32)
-        k1, k2 = self._launch_jit(split_args, merge_args, warmup=True)
+        compiled = [fn.warmup(*args, grid=self.grid, **kwargs) for fn, args, kwargs
+                    in kernel_launches(self.cfg, heads=self.heads, paged=self.paged,
+                                       merge=self.separate_merge, sc_stride=sc_stride)]
         # Launch hooks (profilers; torch may install one) are not called on this path: with
         # them, Triton's own path cost ~27 us of host time per call on the H200 machine.
         self.hooks_bypassed = knobs.runtime.launch_enter_hook is not None
         self._stream = driver.active.get_current_stream
         self._dev_index = driver.active.get_current_device()
+        k1 = compiled[0]
+        k2 = compiled[1] if len(compiled) > 1 else None
         k1.run  # noqa: B018 - loads the module and creates the launcher
         self._raw = (k1.run, k1.function, k1.packed_metadata, tuple(self.constexprs.values()),
                      None if k2 is None else (k2.run, k2.function, k2.packed_metadata,
