@@ -9,6 +9,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
+import os
 import re
 import signal
 import sys
@@ -27,6 +29,25 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Autotune MLA decode kernels and keep the results in a tuning DB.")
 console = Console(stderr=True)
 out = Console()
+
+LOG_ENV = "MLA_TUNE_LOG"
+
+
+@app.callback()
+def _configure_logging() -> None:
+    """$MLA_TUNE_LOG=debug (or info) logs to stderr where a sweep's time goes: start-up
+    steps, the compile stage, and each trial's phases."""
+    level = os.environ.get(LOG_ENV)
+    if level:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(relativeCreated)9.0f ms %(name)s: %(message)s"))
+        logger = logging.getLogger("mla_tune")
+        logger.addHandler(handler)
+        try:
+            logger.setLevel(level.upper())
+        except ValueError:
+            fail(f"{LOG_ENV}={level!r} is not a log level; use debug, info or warning")
+
 
 DB_HELP = "Tuning DB: a SQLAlchemy URL or a SQLite file path (default: $MLA_TUNE_DB or tuning.db)."
 
@@ -104,6 +125,7 @@ def sweep(
     no_baseline: bool = typer.Option(False, "--no-baseline", help="Do not add library/torch baselines."),
     seed: int = typer.Option(0, help="Input seed."),
     pin: list[str] = typer.Option([], "--pin", help="Narrow a knob: BACKEND.KNOB=V1[,V2...], e.g. triton.num_splits=1,4 (repeatable)."),
+    no_compile_ahead: bool = typer.Option(False, "--no-compile-ahead", help="Skip the compile stage (each GPU worker then compiles the kernels it meets)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the candidates per shape and backend (and why a backend is skipped), then stop: nothing is run or stored."),
 ) -> None:
     """Tune shapes: enumerate variants, verify each against the reference, time it, store it.
@@ -142,7 +164,8 @@ def sweep(
     store = _open_store(db)
     options = SweepOptions(devices=devices, strategy=strat, budget=budget, seed=seed,
                            policy=TimingPolicy(budget_s=time_budget), baselines=not no_baseline,
-                           candidate_timeout_s=candidate_timeout, pins=pins)
+                           candidate_timeout_s=candidate_timeout, pins=pins,
+                           compile_ahead=not no_compile_ahead)
     backends = resolve_backends(backend, options.baselines)
     # SIGTERM stops the sweep as cleanly as Ctrl-C (workers ignore both; the driver ends them).
     previous = signal.signal(signal.SIGTERM, _interrupt)

@@ -6,6 +6,7 @@ outcome, so one broken variant cannot stop the sweep.
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ class TrialOutcome:
     max_abs_err: float | None = None
     mismatch_frac: float | None = None
     error: str | None = None
+    # Seconds spent per phase (inputs, precheck, build, verify, time): not stored, logged
+    # at debug level so a slow sweep shows where its time goes.
+    phases: dict[str, float] | None = None
 
 
 def _error_text(exc: BaseException) -> str:
@@ -46,18 +50,34 @@ def evaluate(backend: Backend, shape: Shape, config: Mapping[str, Any], device: 
              data: TaskInput, ref: torch.Tensor, tol: Tolerance, timer: Timer) -> TrialOutcome:
     """Build, verify and time one variant; a variant is timed only if it is correct."""
     device = torch.device(device)
+    phases: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phases[name] = now - clock
+        clock = now
+
     try:
         reason = backend.precheck(shape, config, device)
+        lap("precheck")
         if reason:
-            return TrialOutcome("failed", error=f"skipped before timing: {reason}")
+            return TrialOutcome("failed", error=f"skipped before timing: {reason}",
+                                phases=phases)
         fn = backend.build(shape, config, device)
+        lap("build")
         out = fn(data)
         _sync(device)
         result = check(out, ref, tol)
+        lap("verify")
         if not result.ok:
             return TrialOutcome("wrong", max_abs_err=result.max_abs_err,
-                                mismatch_frac=result.mismatch_frac, error=result.reason)
+                                mismatch_frac=result.mismatch_frac, error=result.reason,
+                                phases=phases)
         stats = timer.measure(lambda: fn(data))
-        return TrialOutcome("ok", stats, result.max_abs_err, result.mismatch_frac)
+        lap("time")
+        return TrialOutcome("ok", stats, result.max_abs_err, result.mismatch_frac,
+                            phases=phases)
     except Exception as exc:  # noqa: BLE001 - any variant failure is data, not a crash
-        return TrialOutcome("failed", error=_error_text(exc))
+        return TrialOutcome("failed", error=_error_text(exc), phases=phases)

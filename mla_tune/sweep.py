@@ -15,6 +15,7 @@ available, so every winner can be compared with what users already have.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -32,6 +33,7 @@ from mla_tune.backends import (
     library_versions,
     source_hashes,
 )
+from mla_tune.compile_ahead import CompileStage, CompileSummary
 from mla_tune.db import ClaimRow, TrialGroup, TuningStore, WinnerRow
 from mla_tune.evaluate import TrialOutcome
 from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint, current_software
@@ -40,6 +42,7 @@ from mla_tune.search import SearchDriver, Strategy, make_sampler, study_name
 from mla_tune.timing import TimingPolicy
 from mla_tune.workers import BandwidthJob, Done, TrialJob, WorkerPool, WorkerPoolError
 
+log = logging.getLogger(__name__)
 BASELINE_BACKENDS = ("flashinfer", "aiter", "torch")
 # How often an idle sweep looks again for candidates other sweeps hold.
 _POLL_S = 1.0
@@ -61,6 +64,8 @@ class SweepOptions:
     pins: Mapping[str, Mapping[str, list[Any]]] = field(default_factory=dict)
     heartbeat_s: float = 5.0
     stale_after_s: float = 60.0
+    # Compile each distinct kernel once in CPU processes while the GPU workers start.
+    compile_ahead: bool = True
 
 
 class SweepError(RuntimeError):
@@ -106,6 +111,8 @@ class SweepObserver(Protocol):
                    outcome: TrialOutcome, best_us: float | None) -> None: ...
 
     def shape_done(self, result: ShapeResult) -> None: ...
+
+    def compile_done(self, summary: CompileSummary) -> None: ...
 
 
 def resolve_backends(names: Sequence[str] | None, baselines: bool) -> list[Backend]:
@@ -185,6 +192,9 @@ class _Sweep:
         self.dead: set[str] = set()
         self.runs: list[_ShapeRun] = []
         self.out: dict[int, tuple[_Group, dict[str, Any]]] = {}
+        # Shape whose input and reference each worker slot holds (it regenerates them when
+        # it moves to another shape, so each worker keeps to a shape of its own).
+        self.holds: dict[int, str] = {}
         self.new_trials = 0
         self.storage = store.optuna_storage(heartbeat_s=max(1, round(options.heartbeat_s)),
                                             grace_s=max(1, round(options.stale_after_s)))
@@ -198,8 +208,17 @@ class _Sweep:
             wait_s = max(0.0, self.next_beat - now)
             if not self.pool.busy:
                 wait_s = min(wait_s, _POLL_S)  # waiting on candidates other sweeps hold
-            for done in self.pool.wait(wait_s):
-                self._handle(done)
+            finished = [(done, self.out.pop(done.slot, None)) for done in self.pool.wait(wait_s)]
+            # Freed workers get their next candidates before their results are stored, so
+            # storing (DB and Optuna, tens of ms) overlaps the next measurement.
+            t0 = time.perf_counter()
+            self._fill()
+            t1 = time.perf_counter()
+            for done, job in finished:
+                self._handle(done, job)
+            if finished:
+                log.debug("next candidates out in %.0f ms; %d result(s) stored in %.0f ms",
+                          (t1 - t0) * 1e3, len(finished), (time.perf_counter() - t1) * 1e3)
             if time.monotonic() >= self.next_beat:
                 self._heartbeat()
             if not self.pool.alive:
@@ -234,31 +253,48 @@ class _Sweep:
 
     def _fill(self) -> None:
         for slot in self.pool.idle():
-            job = self._next_job()
+            job = self._next_job(slot)
             if job is None:
                 return
             group, config = job
             self.pool.submit(slot, TrialJob(group.shape.to_json(), group.backend.name, config),
                              self.options.candidate_timeout_s)
             self.out[slot] = (group, config)
+            self.holds[slot] = group.shape.key
             group.running += 1
 
-    def _next_job(self) -> tuple[_Group, dict[str, Any]] | None:
-        """A claimed candidate from the earliest shape that has one, opening the next
-        shape when the open ones have nothing claimable (keeps every worker busy)."""
+    def _next_job(self, slot: int) -> tuple[_Group, dict[str, Any]] | None:
+        """A claimed candidate for `slot`: of the shape it holds inputs for, else of an
+        open shape no other worker holds, else of a newly opened shape, else of any open
+        shape. Workers thus keep to shapes of their own (each shape's input and reference
+        made once, not once per worker) until the last shapes, which they share."""
+        mine = self.holds.get(slot)
+        others = {key for s, key in self.holds.items() if s != slot}
         while True:
-            for r in self.runs:
-                if r.result is not None:
-                    continue
-                for g in r.groups:
-                    if not g.done:
-                        config = self._claim(g)
-                        if config is not None:
-                            return g, config
-                self._maybe_finish(r)
-            if len(self.runs) == len(self.shapes):
-                return None
-            self._open(self.shapes[len(self.runs)])
+            open_runs = [r for r in self.runs if r.result is None]
+            ranked = ([r for r in open_runs if r.shape.key == mine]
+                      + [r for r in open_runs if r.shape.key != mine and r.shape.key not in others])
+            job = self._claim_from(ranked)
+            if job is not None:
+                return job
+            if len(self.runs) < len(self.shapes):
+                self._open(self.shapes[len(self.runs)])
+                continue
+            return self._claim_from([r for r in self.runs if r.result is None])
+
+    def _claim_from(self, runs: list[_ShapeRun]) -> tuple[_Group, dict[str, Any]] | None:
+        """A claimed candidate of the first of `runs` that has one; finishes the shapes
+        found to have none left."""
+        for r in runs:
+            if r.result is not None:
+                continue
+            for g in r.groups:
+                if not g.done:
+                    config = self._claim(g)
+                    if config is not None:
+                        return g, config
+            self._maybe_finish(r)
+        return None
 
     def _claim(self, g: _Group) -> dict[str, Any] | None:
         config = self._take(g)
@@ -358,13 +394,19 @@ class _Sweep:
         if self.observer:
             self.observer.shape_done(run.result)
 
-    def _handle(self, done: Done) -> None:
+    def _handle(self, done: Done, job: tuple[_Group, dict[str, Any]] | None) -> None:
+        """Store a finished job: `job` is the group and config the slot was running."""
         if isinstance(done.job, BandwidthJob):
             if done.result:
                 self.store.set_read_bandwidth(self.device_id, done.result)
             return
-        g, config = self.out.pop(done.slot)
+        assert job is not None, "a trial result from a slot that was not running one"
+        g, config = job
         outcome: TrialOutcome = done.result
+        if log.isEnabledFor(logging.DEBUG):
+            phases = " ".join(f"{k} {v:.2f}" for k, v in (outcome.phases or {}).items())
+            log.debug("%s %s on %s: %s (%s s)", g.shape.key, g.backend.name,
+                      self.pool.label(done.slot), outcome.status, phases)
         self.store.record_trial(
             device_id=self.device_id, software_id=self.software_id, shape_key=g.shape.key,
             shape_json=g.shape.to_json(), kv_format=g.shape.kv_format.value,
@@ -413,23 +455,38 @@ def run_sweep(shapes: Sequence[Shape], backends: Sequence[Backend], store: Tunin
     if not options.devices:
         raise SweepError("no device to sweep on")
     device = torch.device(options.devices[0])
-    usable: list[Backend] = []
-    skipped: dict[str, str] = {}
-    for b in backends:
-        avail = b.available(device)
-        if avail:
-            usable.append(b)
-        else:
-            skipped[b.name] = avail.reason
-    versions = library_versions(device)
     # Workers import each backend by path, so backends registered at run time reach them.
-    paths = {b.name: f"{type(b).__module__}:{type(b).__qualname__}" for b in usable}
+    paths = {b.name: f"{type(b).__module__}:{type(b).__qualname__}" for b in backends}
     with WorkerPool(options.devices, paths, options.policy, options.seed) as pool:
         sweep: _Sweep | None = None
+        stage: CompileStage | None = None
         try:
+            pool.launch()  # workers start up (seconds each) while this process goes on
+            usable: list[Backend] = []
+            skipped: dict[str, str] = {}
+            for b in backends:
+                avail = b.available(device)
+                if avail:
+                    usable.append(b)
+                else:
+                    skipped[b.name] = avail.reason
+            if options.compile_ahead:
+                gpu_workers = sum(1 for d in options.devices if torch.device(d).type == "cuda")
+                stage = CompileStage(shapes, usable, device, options.pins, paths, gpu_workers,
+                                     options.candidate_timeout_s)
+                stage.start()
+            versions = library_versions(device)
+            log.debug("backends and library versions checked")
             dev_fp = _pooled_fingerprint(pool.start())
+            log.debug("workers ready")
             sweep = _Sweep(shapes, usable, skipped, store, options, observer, pool, dev_fp,
                            current_software(versions))
+            if stage is not None:
+                summary = stage.join()
+                stage = None
+                if observer and summary.kernels:
+                    observer.compile_done(summary)
+            log.debug("timing starts")
             return sweep.run()
         except WorkerPoolError as exc:
             raise SweepError(str(exc)) from None
@@ -443,6 +500,8 @@ def run_sweep(shapes: Sequence[Shape], backends: Sequence[Backend], store: Tunin
                 sweep.stop()
             raise
         finally:
+            if stage is not None:
+                stage.cancel()
             if sweep is not None:
                 sweep.storage.engine.dispose()
 

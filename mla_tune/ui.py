@@ -63,6 +63,16 @@ class SweepProgress:
         for key in [k for k in self._tasks if k[0] == result.shape.key]:
             self.progress.remove_task(self._tasks.pop(key))
 
+    def compile_done(self, summary: Any) -> None:
+        failed = f", {len(summary.failed)} failed" if summary.failed else ""
+        left = f", {summary.unfinished} left to the GPU workers" if summary.unfinished else ""
+        self.console.print(f"compiled {summary.compiled} of {summary.kernels} kernel(s) ahead "
+                           f"on {summary.processes} CPU process(es) in {summary.seconds:.1f} s"
+                           f"{failed}{left}", highlight=False, style="dim")
+        for line in summary.failed[:3]:
+            self.console.print(f"  compile failed: {line.splitlines()[0][:160]}",
+                               highlight=False, style="dim")
+
     def _best_text(self, shape: Shape) -> str:
         best = self._best.get(shape.key)
         return f"best {best:.1f} µs" if best is not None else ""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import logging
 import multiprocessing
 import os
 import shutil
@@ -22,7 +23,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -38,6 +39,7 @@ from mla_tune.reference import mla_decode_reference
 from mla_tune.timing import Timer, TimingPolicy, make_timer
 from mla_tune.verify import Tolerance, tolerance_for
 
+log = logging.getLogger(__name__)
 # Spawning imports torch and initializes the device; allow for a loaded machine.
 START_TIMEOUT_S = 300.0
 # Consecutive failed starts of one slot before the slot is given up.
@@ -110,16 +112,18 @@ class TrialJob:
 
     def run(self, ctx: WorkerContext) -> TrialOutcome:
         shape = Shape.from_json(self.shape)
+        start = time.perf_counter()
         try:
             data, ref, tol = ctx.inputs(shape)
             backend = get_backend(self.backend)
         except Exception as exc:  # noqa: BLE001 - recorded as the candidate's failure
             return TrialOutcome("failed", error=f"could not prepare the candidate: "
                                                 f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
+        inputs_s = time.perf_counter() - start
         outcome = evaluate(backend, shape, self.config, ctx.device, data, ref, tol, ctx.timer)
         if outcome.status == "failed":
             ctx.free_memory()
-        return outcome
+        return replace(outcome, phases={"inputs": inputs_s, **(outcome.phases or {})})
 
     def lost(self, status: str, cause: str) -> TrialOutcome:
         return TrialOutcome(status, error=cause)
@@ -226,6 +230,7 @@ class _Slot:
     broken: str | None = None
     incarnation: int = 0
     fingerprint: DeviceFingerprint | None = None
+    spawned_at: float = 0.0
 
 
 class WorkerPool:
@@ -256,12 +261,18 @@ class WorkerPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def start(self) -> list[tuple[str, DeviceFingerprint]]:
-        """Start every worker and wait until each is ready (or given up); returns the
-        device and its fingerprint of each started worker. Raises WorkerPoolError when
-        none could start."""
+    def launch(self) -> None:
+        """Start every worker without waiting for it: a worker imports torch and sets up its
+        device (seconds) while the caller does other start-up work."""
         for slot in self._slots:
-            self._spawn(slot)
+            if slot.process is None and slot.broken is None:
+                self._spawn(slot)
+
+    def start(self) -> list[tuple[str, DeviceFingerprint]]:
+        """Start every worker (unless `launch` did) and wait until each is ready (or given
+        up); returns the device and its fingerprint of each started worker. Raises
+        WorkerPoolError when none could start."""
+        self.launch()
         while any(not s.ready and s.broken is None for s in self._slots):
             self.wait(1.0)
         started = [(s.device, s.fingerprint) for s in self._slots if s.fingerprint is not None]
@@ -351,7 +362,8 @@ class WorkerPool:
         finally:
             child.close()
         slot.process, slot.conn, slot.ready, slot.job = process, parent, False, None
-        slot.deadline = time.monotonic() + START_TIMEOUT_S
+        slot.spawned_at = time.monotonic()
+        slot.deadline = slot.spawned_at + START_TIMEOUT_S
 
     def _receive(self, slot: _Slot, done: list[Done]) -> None:
         assert slot.conn is not None
@@ -361,6 +373,8 @@ class WorkerPool:
             return  # died; the sentinel reports it
         kind, payload = message[0], message[1]
         if kind == "ready":
+            log.debug("worker %d on %s ready after %.1f s", slot.index, slot.device,
+                      time.monotonic() - slot.spawned_at)
             slot.ready, slot.start_failures = True, 0
             slot.fingerprint = DeviceFingerprint.from_json(payload)
         elif kind == "error":

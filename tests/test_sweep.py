@@ -147,3 +147,28 @@ def test_a_proposal_another_sweep_holds_is_not_recorded_as_a_failure(store):
     mine = sorted(((t.state.name, t.value, t.user_attrs.get("measured_elsewhere", False))
                    for t in study.trials if t.params == only), key=str)
     assert mine == [("COMPLETE", trials[0].median_us, False), ("FAIL", None, True)], mine
+
+
+def test_each_worker_keeps_to_a_shape_of_its_own(store):
+    """Workers regenerate input and reference when they change shape, so the sweep hands
+    each worker candidates of the shape it holds, opens a new shape for an idle worker
+    rather than sending it to another worker's shape, and shares shapes only at the end."""
+    from mla_tune.backends import library_versions
+    from mla_tune.fingerprint import current_device, current_software
+    from mla_tune.sweep import _Sweep
+
+    dev = torch.device("cpu")
+    shapes = [Shape.uniform(1, 8), Shape.uniform(2, 8)]
+    pins = {"toy": {"mode": ["ok"], "delay_ms": [0, 2]}}  # two candidates per shape
+    sweep = _Sweep(shapes, [get_backend("toy")], {}, store,
+                   SweepOptions(policy=FAST, baselines=False, pins=pins), None, None,
+                   current_device(dev), current_software(library_versions(dev)))
+    picked = []
+    for slot in (0, 1, 0, 1):
+        group, _ = sweep._next_job(slot)
+        sweep.holds[slot] = group.shape.key
+        group.running += 1
+        picked.append((slot, group.shape.key))
+    assert picked == [(0, shapes[0].key), (1, shapes[1].key), (0, shapes[0].key),
+                      (1, shapes[1].key)]
+    assert sweep._next_job(0) is None  # nothing left to claim anywhere

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -81,6 +81,18 @@ class Backend(ABC):
         """A reason to skip this variant before spending device time (e.g. it spills
         registers or exceeds shared memory when compiled), or None to go ahead."""
         return None
+
+    def compile_key(self, shape: Shape, config: Mapping[str, Any],
+                    device: torch.device) -> Hashable | None:
+        """What `build` compiles for this variant on `device`, or None when there is nothing
+        to compile ahead. Candidates with equal keys share one compile."""
+        return None
+
+    def compile_ahead(self, shape: Shape, config: Mapping[str, Any], arch: str) -> None:
+        """Compile this variant for a GPU of `arch` (a device fingerprint's arch, e.g.
+        'sm_90') into the on-disk caches `precheck` and `build` read, in a process without a
+        GPU context. A sweep calls it once per distinct `compile_key`, in CPU processes,
+        while its GPU workers start, so the workers share one compile of each kernel."""
 
     @abstractmethod
     def build(self, shape: Shape, config: Mapping[str, Any], device: torch.device) -> KernelFn:

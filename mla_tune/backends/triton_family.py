@@ -109,7 +109,23 @@ class TritonFamily(Backend):
         from kernels.triton import static_check
 
         cfg = _kernel_config(shape, config)
-        return static_check.check(cfg, [_target_name(torch.device(device))])
+        return static_check.check(cfg, [_target_name(torch.device(device))], heads=shape.heads)
+
+    def compile_key(self, shape: Shape, config: Mapping[str, Any],
+                    device: torch.device) -> tuple | None:
+        if _interpreting() or torch.device(device).type != "cuda":
+            return None
+        from kernels.triton import static_check
+
+        return static_check.compiled_key(_kernel_config(shape, config), shape.heads)
+
+    def compile_ahead(self, shape: Shape, config: Mapping[str, Any], arch: str) -> None:
+        from kernels.triton import static_check
+        from kernels.triton.precompile import target_for_arch
+
+        target = target_for_arch(arch)
+        if target is not None:
+            static_check.compile_ahead(_kernel_config(shape, config), target, heads=shape.heads)
 
     def build(self, shape: Shape, config: Mapping[str, Any], device: torch.device) -> KernelFn:
         from kernels.triton.mla_decode import MlaDecodeLauncher
