@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mla_tune.backends import backend_names, get_backend  # noqa: E402
+from mla_tune.backends import backend_names, get_backend, source_hashes  # noqa: E402
 from mla_tune.db import TuningStore  # noqa: E402
 from mla_tune.fingerprint import current_device, current_software  # noqa: E402
 from mla_tune.problem import KVFormat, Shape  # noqa: E402
@@ -34,9 +34,12 @@ OURS, LIBRARY, TORCH = "triton", "flashinfer", "torch"
 
 
 def _best(store: TuningStore, device_id: int, shape: Shape, backend: str) -> float | None:
+    """Best time of `backend` at `shape`, from trials of its current kernel source only
+    (an edited kernel's old trials describe code that no longer exists)."""
+    source = source_hashes().get(backend)
     times = [t.median_us for t in store.trials(device_id=device_id, shape_key=shape.key,
                                                backend=backend, status="ok")
-             if t.median_us is not None]
+             if t.median_us is not None and t.source_hash == source]
     return min(times) if times else None
 
 

@@ -5,7 +5,7 @@ target on the two-GPU H200 machine: >= 1.8x on leaderboard-v1, bf16 KV).
 On the device machine, from the repository root (see ../shared/docs/platform.md):
 
     source .device/setup.sh
-    python3 bench/multi_gpu_sweep.py --backend triton            # ~4 min: 648 candidates
+    python3 bench/multi_gpu_sweep.py --backend triton            # ~3 min: 648 candidates
     python3 bench/multi_gpu_sweep.py --backend torch --time-budget 0.1 -- --budget 8
 
 Arguments after `--` go to both sweeps unchanged (e.g. `--pin ...` to narrow the space,
@@ -56,8 +56,10 @@ def _sweep(gpus: int, args: argparse.Namespace, work: Path) -> tuple[float, date
     db = work / f"gpus{gpus}.db"
     cmd = [sys.executable, "-m", "mla_tune", "sweep", "--suite", args.suite,
            "--kv-format", args.kv_format, "--backend", args.backend, "--no-baseline",
-           "--device", "cuda", "--gpus", str(gpus), "--db", str(db),
-           "--time-budget", str(args.time_budget), *args.extra]
+           "--device", "cuda", "--gpus", str(gpus), "--db", str(db)]
+    if args.time_budget is not None:
+        cmd += ["--time-budget", str(args.time_budget)]
+    cmd += args.extra
     # Cold compile caches for each run (Triton's and the static-check reports).
     env = dict(os.environ, TRITON_CACHE_DIR=str(work / f"triton-cache-{gpus}"),
                MLA_TUNE_CACHE=str(work / f"mla-tune-cache-{gpus}"))
@@ -106,8 +108,8 @@ def main() -> None:
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--suite", default="leaderboard-v1")
     parser.add_argument("--kv-format", default="bf16")
-    parser.add_argument("--time-budget", type=float, default=0.2,
-                        help="seconds of timing per candidate (the CLI's default is 1.0)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds of timing per candidate (default: the CLI's, 1.0)")
     parser.add_argument("--out", type=Path, help="directory for the DBs and logs "
                         "(default: a new temporary one)")
     parser.add_argument("extra", nargs="*", help="more sweep options, after --")
@@ -121,7 +123,7 @@ def main() -> None:
     walls = {n: runs[n][0] for n in runs}
     ratio = walls[1] / walls[2]
     print(f"\n{args.suite} {args.kv_format}, backend {args.backend}, "
-          f"--time-budget {args.time_budget} {' '.join(args.extra)}")
+          f"--time-budget {args.time_budget or 'default (1.0)'} {' '.join(args.extra)}")
     for n in (1, 2):
         db = work / f"gpus{n}.db"
         print(f"  --gpus {n}: {walls[n]:7.1f} s   {_summary(db)}")

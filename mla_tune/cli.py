@@ -31,6 +31,7 @@ console = Console(stderr=True)
 out = Console()
 
 LOG_ENV = "MLA_TUNE_LOG"
+log = logging.getLogger("mla_tune.cli")
 
 
 @app.callback()
@@ -161,7 +162,9 @@ def sweep(
     if dry_run:
         _print_plan(shapes, resolve_backends(backend, not no_baseline), devices[0], pins)
         return
+    log.debug("sweep arguments checked")
     store = _open_store(db)
+    log.debug("tuning DB open")
     options = SweepOptions(devices=devices, strategy=strat, budget=budget, seed=seed,
                            policy=TimingPolicy(budget_s=time_budget), baselines=not no_baseline,
                            candidate_timeout_s=candidate_timeout, pins=pins,

@@ -31,6 +31,9 @@ from mla_tune.timing import TimingPolicy
 from mla_tune.workers import WorkerContext, WorkerPool
 
 log = logging.getLogger(__name__)
+# Compile processes a GPU sweep starts before it knows how many kernels it has: enough for
+# one format's default Triton space (4 kernels) twice over.
+MAX_PRELAUNCHED = 8
 
 
 @dataclass(frozen=True)
@@ -103,31 +106,26 @@ def default_processes(jobs: int, gpu_workers: int) -> int:
     return max(1, min(jobs, cores - 1 - gpu_workers))
 
 
-def run_compiles(tasks: Sequence[CompileTask], arch: str, backends: Mapping[str, str],
-                 processes: int, job_limit_s: float,
-                 cancel: threading.Event | None = None) -> CompileSummary:
-    """Compile `tasks` for a GPU of `arch` on `processes` CPU worker processes (`backends`:
-    name -> `module:Class`, registered in each). A compile over `job_limit_s` seconds has
-    its process killed and is left to the GPU workers; setting `cancel` stops the stage."""
-    summary = CompileSummary(kernels=len(tasks), processes=min(processes, len(tasks)))
-    if not tasks:
-        return summary
+def run_compiles(tasks: Sequence[CompileTask], arch: str, pool: WorkerPool,
+                 job_limit_s: float, cancel: threading.Event | None = None) -> CompileSummary:
+    """Compile `tasks` for a GPU of `arch` on `pool`, a pool of CPU worker processes that
+    have the sweep's backends registered. A compile over `job_limit_s` seconds has its
+    process killed and is left to the GPU workers; setting `cancel` stops the stage."""
+    summary = CompileSummary(kernels=len(tasks), processes=pool.size)
     start = time.monotonic()
     todo = [CompileJob(t.backend, t.shape.to_json(), t.config, arch) for t in tasks]
-    with WorkerPool(["cpu"] * summary.processes, backends, TimingPolicy(), seed=0) as pool:
-        pool.launch()
-        while (todo or pool.busy) and pool.alive and not (cancel and cancel.is_set()):
-            for slot in pool.idle():
-                if not todo:
-                    break
-                pool.submit(slot, todo.pop(0), job_limit_s)
-            for done in pool.wait(0.5):
-                if done.result is None:
-                    summary.compiled += 1
-                else:
-                    summary.failed.append(f"{done.job.backend} {done.job.config}: "
-                                          f"{done.result}")
-        summary.unfinished = len(todo) + pool.busy
+    pool.launch()
+    while (todo or pool.busy) and pool.alive and not (cancel and cancel.is_set()):
+        for slot in pool.idle():
+            if not todo:
+                break
+            pool.submit(slot, todo.pop(0), job_limit_s)
+        for done in pool.wait(0.5):
+            if done.result is None:
+                summary.compiled += 1
+            else:
+                summary.failed.append(f"{done.job.backend} {done.job.config}: {done.result}")
+    summary.unfinished = len(todo) + pool.busy
     summary.seconds = time.monotonic() - start
     return summary
 
@@ -135,13 +133,19 @@ def run_compiles(tasks: Sequence[CompileTask], arch: str, backends: Mapping[str,
 class CompileStage:
     """The compile stage on a background thread: planning, the CUDA query for the target
     arch and the compiles overlap the sweep's own start-up (workers starting, library
-    versions, the DB); `join` before the first candidate is timed."""
+    versions, the DB); `join` before the first candidate is timed.
+
+    For a GPU sweep with a backend that compiles ahead, the compile processes are started
+    at once, before planning (starting a process that imports torch takes seconds, planning
+    a fraction of that); otherwise they start only when there is something to compile."""
 
     def __init__(self, shapes: Sequence[Shape], backends: Sequence[Backend],
                  device: torch.device, pins: Mapping[str, Mapping[str, list[Any]]],
                  paths: Mapping[str, str], gpu_workers: int, job_limit_s: float) -> None:
-        self._args = (list(shapes), list(backends), torch.device(device), dict(pins),
-                      dict(paths), gpu_workers, job_limit_s)
+        self._shapes, self._backends = list(shapes), list(backends)
+        self._device, self._pins, self._paths = torch.device(device), dict(pins), dict(paths)
+        self._gpu_workers, self._job_limit_s = gpu_workers, job_limit_s
+        self._pool: WorkerPool | None = None
         self._cancel = threading.Event()
         self._summary: CompileSummary | None = None
         self._error: BaseException | None = None
@@ -149,6 +153,10 @@ class CompileStage:
                                         daemon=True)
 
     def start(self) -> None:
+        compiles = any(type(b).compile_key is not Backend.compile_key for b in self._backends)
+        if self._gpu_workers and compiles:
+            self._pool = self._new_pool(MAX_PRELAUNCHED)
+            self._pool.launch()
         self._thread.start()
 
     def join(self) -> CompileSummary:
@@ -164,23 +172,31 @@ class CompileStage:
         self._cancel.set()
         self._thread.join()
 
+    def _new_pool(self, jobs: int) -> WorkerPool:
+        n = default_processes(jobs, self._gpu_workers)
+        return WorkerPool(["cpu"] * n, self._paths, TimingPolicy(), seed=0)
+
     def _run(self) -> None:
-        shapes, backends, device, pins, paths, gpu_workers, job_limit_s = self._args
         try:
-            tasks = plan_compiles(shapes, backends, device, pins)
+            tasks = plan_compiles(self._shapes, self._backends, self._device, self._pins)
             if not tasks:
                 self._summary = CompileSummary()
                 return
+            if self._pool is None:
+                self._pool = self._new_pool(len(tasks))
+                self._pool.launch()
             from mla_tune.fingerprint import current_device
 
-            arch = current_device(device).arch
-            self._summary = run_compiles(tasks, arch, paths,
-                                         default_processes(len(tasks), gpu_workers),
-                                         job_limit_s, self._cancel)
+            arch = current_device(self._device).arch
+            self._summary = run_compiles(tasks, arch, self._pool, self._job_limit_s,
+                                         self._cancel)
             log.debug("compile stage: %d of %d kernels in %.1f s", self._summary.compiled,
                       self._summary.kernels, self._summary.seconds)
         except BaseException as exc:  # noqa: BLE001 - handed to the sweep's thread by join
             self._error = exc
+        finally:
+            if self._pool is not None:
+                self._pool.close()
 
 
 __all__ = ["CompileJob", "CompileStage", "CompileSummary", "CompileTask", "default_processes",

@@ -40,7 +40,14 @@ from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint, current
 from mla_tune.problem import Shape
 from mla_tune.search import SearchDriver, Strategy, make_sampler, study_name
 from mla_tune.timing import TimingPolicy
-from mla_tune.workers import BandwidthJob, Done, TrialJob, WorkerPool, WorkerPoolError
+from mla_tune.workers import (
+    BandwidthJob,
+    Done,
+    TrialJob,
+    WarmupJob,
+    WorkerPool,
+    WorkerPoolError,
+)
 
 log = logging.getLogger(__name__)
 BASELINE_BACKENDS = ("flashinfer", "aiter", "torch")
@@ -195,13 +202,28 @@ class _Sweep:
         # Shape whose input and reference each worker slot holds (it regenerates them when
         # it moves to another shape, so each worker keeps to a shape of its own).
         self.holds: dict[int, str] = {}
+        self._warmed = False
         self.new_trials = 0
         self.storage = store.optuna_storage(heartbeat_s=max(1, round(options.heartbeat_s)),
                                             grace_s=max(1, round(options.stale_after_s)))
         self.next_beat = time.monotonic() + options.heartbeat_s
 
-    def run(self) -> list[ShapeResult]:
+    def warm_up(self) -> None:
+        """Work that needs no compiled kernel, sent while the compile stage finishes: the
+        device's read bandwidth (once per device) on one worker; on each other, its first
+        shape's input and reference and its backends' imports."""
+        self._warmed = True
         self._measure_bandwidth()
+        names = tuple(b.name for b in self.usable)
+        for i, slot in enumerate(self.pool.idle()):
+            shape = self.shapes[i % len(self.shapes)]
+            self.pool.submit(slot, WarmupJob(shape.to_json(), names),
+                             self.options.candidate_timeout_s)
+            self.holds[slot] = shape.key
+
+    def run(self) -> list[ShapeResult]:
+        if not self._warmed:
+            self.warm_up()
         while not self._finished():
             self._fill()
             now = time.monotonic()
@@ -396,6 +418,8 @@ class _Sweep:
 
     def _handle(self, done: Done, job: tuple[_Group, dict[str, Any]] | None) -> None:
         """Store a finished job: `job` is the group and config the slot was running."""
+        if isinstance(done.job, WarmupJob):
+            return
         if isinstance(done.job, BandwidthJob):
             if done.result:
                 self.store.set_read_bandwidth(self.device_id, done.result)
@@ -462,6 +486,7 @@ def run_sweep(shapes: Sequence[Shape], backends: Sequence[Backend], store: Tunin
         stage: CompileStage | None = None
         try:
             pool.launch()  # workers start up (seconds each) while this process goes on
+            log.debug("workers launched")
             usable: list[Backend] = []
             skipped: dict[str, str] = {}
             for b in backends:
@@ -481,6 +506,7 @@ def run_sweep(shapes: Sequence[Shape], backends: Sequence[Backend], store: Tunin
             log.debug("workers ready")
             sweep = _Sweep(shapes, usable, skipped, store, options, observer, pool, dev_fp,
                            current_software(versions))
+            sweep.warm_up()
             if stage is not None:
                 summary = stage.join()
                 stage = None

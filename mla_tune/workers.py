@@ -76,6 +76,11 @@ class WorkerContext:
             self._shape_key = shape.key
         return self._inputs
 
+    @property
+    def shape_key(self) -> str | None:
+        """Key of the shape whose input and reference are held now."""
+        return self._shape_key
+
     def free_memory(self) -> None:
         """Hand cached blocks back to the device (a new shape, a failed candidate)."""
         if self.device.type == "cuda":
@@ -127,6 +132,30 @@ class TrialJob:
 
     def lost(self, status: str, cause: str) -> TrialOutcome:
         return TrialOutcome(status, error=cause)
+
+
+@dataclass(frozen=True)
+class WarmupJob:
+    """Get a worker ready for its first shape while the sweep's kernels are still being
+    compiled: import each backend's kernels (through `available`) and make the shape's
+    input and reference, so the first candidate pays for neither."""
+
+    shape: dict[str, Any]
+    backends: tuple[str, ...]
+
+    def run(self, ctx: WorkerContext) -> None:
+        for name in self.backends:
+            try:
+                get_backend(name).available(ctx.device)
+            except Exception:  # noqa: BLE001 - the backend's candidates record the error
+                pass
+        try:
+            ctx.inputs(Shape.from_json(self.shape))
+        except Exception:  # noqa: BLE001 - the shape's first candidate records the error
+            ctx.free_memory()
+
+    def lost(self, status: str, cause: str) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -290,6 +319,11 @@ class WorkerPool:
         return [s.index for s in self._slots if s.ready and s.job is None]
 
     @property
+    def size(self) -> int:
+        """Worker slots (processes) of this pool."""
+        return len(self._slots)
+
+    @property
     def busy(self) -> int:
         return sum(1 for s in self._slots if s.job is not None)
 
@@ -429,5 +463,5 @@ class WorkerPool:
         return "\n".join(lines)[-LOG_TAIL_CHARS:].strip()
 
 
-__all__ = ["BandwidthJob", "Done", "Job", "TrialJob", "WorkerContext", "WorkerPool",
-           "WorkerPoolError"]
+__all__ = ["BandwidthJob", "Done", "Job", "TrialJob", "WarmupJob", "WorkerContext",
+           "WorkerPool", "WorkerPoolError"]

@@ -82,3 +82,33 @@ def test_no_compile_ahead_leaves_compiling_to_the_workers(tmp_path, monkeypatch)
     assert statuses == {(1, "failed"), (3, "ok")}
     assert "block 1 was not compiled ahead" in next(
         t.error for t in store.trials() if t.config["block"] == 1)
+
+
+def test_a_gpu_sweeps_stage_starts_its_processes_before_planning(tmp_path, monkeypatch):
+    """With GPU workers the compile processes start at once (before planning); the stage
+    still compiles each kernel once and reports the crashed compile."""
+    from mla_tune.compile_ahead import CompileStage
+
+    monkeypatch.setenv(MARKER_DIR_ENV, str(tmp_path))
+    backend = _backend()
+    paths = {"compiled": "tests.fixtures.compile_backends:CompiledBackend"}
+    stage = CompileStage([Shape.uniform(1, 16)], [backend], torch.device("cpu"), {}, paths,
+                         gpu_workers=1, job_limit_s=60)
+    stage.start()
+    assert stage._pool is not None and stage._pool.size >= 1  # launched before planning
+    summary = stage.join()
+    assert (summary.kernels, summary.compiled, len(summary.failed)) == (3, 2, 1)
+    assert sorted(p.name.split("-")[0] for p in tmp_path.glob("block*")) == ["block1", "block2"]
+
+
+def test_a_stage_without_compiling_backends_starts_no_process():
+    from mla_tune.compile_ahead import CompileStage
+
+    register("toy", "tests.fixtures.toy_backends:ToyBackend")
+    stage = CompileStage([Shape.uniform(1, 16)], [get_backend("toy")], torch.device("cpu"),
+                         {}, {"toy": "tests.fixtures.toy_backends:ToyBackend"},
+                         gpu_workers=2, job_limit_s=60)
+    stage.start()
+    assert stage._pool is None
+    summary = stage.join()
+    assert (summary.kernels, summary.compiled, summary.processes) == (0, 0, 0)

@@ -437,9 +437,15 @@ class MlaDecodeLauncher:
         if page_size & (page_size - 1):
             raise ValueError(f"page size must be a power of two, got {page_size}")
         self.paged = page_table is not None or page_size > 1
-        if page_table is None:
-            kv_starts = [sum(kv_lens[:i]) for i in range(self.batch)]
+        if page_table is None and self.paged:
+            kv_starts = [0]
+            for n in kv_lens[:-1]:
+                kv_starts.append(kv_starts[-1] + n)
             page_table = identity_page_table(kv_lens, kv_starts, page_size)
+        elif page_table is None:
+            # Direct rows: the kernel reads no table (a per-token table of a large batch
+            # took ~0.1 s of host time to build per variant).
+            page_table = (torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
         self.page_shift = page_size.bit_length() - 1
         self.page_tbl = page_table[0].to(device)
         self.page_indptr = page_table[1].to(device)

@@ -79,6 +79,10 @@ class TritonFamily(Backend):
         if dev.type != "cuda" or not torch.cuda.is_available():
             return Availability(False, "needs a CUDA or HIP GPU (or TRITON_INTERPRET=1 on CPU "
                                        "for tests)")
+        try:
+            import kernels.triton.mla_decode  # noqa: F401 - defines (parses) the kernels
+        except Exception as e:  # noqa: BLE001 - any import failure is the reason to report
+            return Availability(False, f"kernels/triton does not import: {type(e).__name__}: {e}")
         return Availability(True)
 
     def supports(self, shape: Shape) -> str | None:
