@@ -38,7 +38,8 @@ def default_variants() -> list[md.KernelConfig]:
                                   block_m=int(point["block_m"]), block_n=int(point["block_n"]),
                                   num_warps=int(point["num_warps"]),
                                   num_stages=int(point["num_stages"]),
-                                  page_size=int(point["page_size"]))
+                                  page_size=int(point["page_size"]),
+                                  fp8_convert=str(point["fp8_convert"]))
             seen.setdefault(static_check.variant_key(cfg), cfg)
     return list(seen.values())
 

@@ -175,7 +175,7 @@ def _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N: tl.constexpr):
 def _attend_tile(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
                  qnT, qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain,
                  KV_FMT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PAGED: tl.constexpr, UPCAST: tl.constexpr):
+                 PAGED: tl.constexpr, UPCAST: tl.constexpr, STAGED: tl.constexpr):
     """One KV tile [n0, n0 + BLOCK_N) of the online softmax; returns (m_i, l_i, acc)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
@@ -187,13 +187,14 @@ def _attend_tile(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start,
         # Contiguous cache: no table load in the dependency chain of the tile load.
         phys = (kv_start + offs_n).to(tl.int64)
     kn_raw, kr_raw = _load_kv_tile(KV, KV_SC, sc_stride, phys, n_ok, KV_FMT, BLOCK_N)
-    if (KV_FMT == 1) and (COMPUTE != 2):
-        # fp8 KV converted for 16-bit MMAs: converting inside a branch the compiler cannot
-        # fold (a row stride is never negative) makes it convert the tile once, in the
-        # layout it was loaded in, and stage the converted tile through shared memory.
-        # Otherwise it loads the tile to registers without the cp.async pipeline and
-        # converts it once per MMA operand layout (sm_90 PTX: 18 vs 2 cp.async and 72 vs
-        # 208 conversions per thread and 32-token tile).
+    if (KV_FMT == 1) and (COMPUTE != 2) and STAGED:
+        # fp8 KV converted for 16-bit MMAs, "staged": converting inside a branch the
+        # compiler cannot fold (a row stride is never negative) makes it convert the tile
+        # once, in the layout it was loaded in, and stage the converted tile through shared
+        # memory. Otherwise ("operand") it loads the tile to registers without the cp.async
+        # pipeline and converts it once per MMA operand layout (sm_90 PTX: 18 vs 2
+        # cp.async and 72 vs 208 conversions per thread and 32-token tile). Which is faster
+        # depends on the shape, so it is a knob (`fp8_convert`).
         if sc_stride >= 0:
             kn = _mma_operand(kn_raw, COMPUTE, UPCAST)
             kr = _mma_operand(kr_raw, COMPUTE, UPCAST)
@@ -241,6 +242,7 @@ def mla_decode_kernel(
     H, total_rows, n_splits, qk_scale, fast,
     KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
+    FP8_STAGED: tl.constexpr,
 ):
     """Grid (row blocks, splits, batch). See the module docstring for the scheme.
     `fast` (runtime, so it costs no extra compile): lazy rescaling and the fused
@@ -298,14 +300,14 @@ def mla_decode_kernel(
                 m_i, l_i, acc = _attend_tile(
                     KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
                     qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
-                    KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST)
+                    KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST, FP8_STAGED)
                 n0 += BLOCK_N
         else:
             for n0 in range(lo, hi, BLOCK_N):
                 m_i, l_i, acc = _attend_tile(
                     KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
                     qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
-                    KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST)
+                    KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST, FP8_STAGED)
 
         out_scale = tl.full([BLOCK_M], 1.0, tl.float32)
         if KV_FMT == 1:
@@ -363,13 +365,14 @@ class KernelConfig:
     num_splits: int = 0
     page_size: int = 1
     fast_mode: bool = False
+    fp8_convert: str = "staged"
 
     def constexprs(self, paged: bool, upcast: bool) -> dict[str, int | bool]:
         """The constexpr arguments that define the compiled split kernel."""
         return {
             "KV_FMT": FORMATS[self.kv_format], "COMPUTE": COMPUTES[self.compute],
             "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "PAGED": paged,
-            "UPCAST": upcast,
+            "UPCAST": upcast, "FP8_STAGED": self.fp8_convert == "staged",
         }
 
 

@@ -45,7 +45,8 @@ def _kernel_config(shape: Shape, config: Mapping[str, Any]):
         block_m=int(config["block_m"]), block_n=int(config["block_n"]),
         num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
         num_splits=int(config["num_splits"]), page_size=_page_size(shape, config),
-        fast_mode=bool(config["fast_mode"]))
+        fast_mode=bool(config["fast_mode"]),
+        fp8_convert=str(config.get("fp8_convert", "staged")))
 
 
 def _page_size(shape: Shape, config: Mapping[str, Any]) -> int:
@@ -103,6 +104,9 @@ class TritonFamily(Backend):
             return False  # half the rows or more would be padding
         if shape.page_size > 1 and int(config["page_size"]) != 1:
             return False  # paged shapes use their own page size; avoid duplicate points
+        converts_fp8 = shape.kv_format is KVFormat.FP8 and str(config["compute"]) != "fp8"
+        if not converts_fp8 and str(config.get("fp8_convert", "staged")) != "staged":
+            return False  # the knob only exists for fp8 KV on 16-bit MMAs
         splits = int(config["num_splits"])
         return splits * block_n <= shape.kv_len
 

@@ -41,7 +41,8 @@ def reports() -> list[dict]:
 def test_default_space_is_compact() -> None:
     from mla_tune.triton_variants import default_variants
 
-    assert 0 < len(default_variants()) <= 24
+    # 28 today: 4 bf16, 4 MXFP4, 20 fp8 (3 compute paths, 2 conversion modes of two).
+    assert 0 < len(default_variants()) <= 32
 
 
 def test_kernels_do_not_import_the_tuner() -> None:

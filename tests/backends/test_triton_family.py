@@ -1,0 +1,20 @@
+"""The Triton family's space: knobs that do not apply to a shape add no duplicate points."""
+
+import torch
+
+from mla_tune.backends.triton_family import TritonFamily
+from mla_tune.problem import KVFormat, Shape
+
+
+def _converts(fmt: KVFormat) -> set[tuple[str, str]]:
+    shape = Shape.uniform(4, 1024, kv_format=fmt)
+    return {(c["compute"], c["fp8_convert"])
+            for c in TritonFamily().candidates(shape, torch.device("cuda"))}
+
+
+def test_fp8_conversion_mode_is_a_knob_only_for_fp8_on_16_bit_mmas():
+    assert _converts(KVFormat.FP8) == {("bf16", "staged"), ("bf16", "operand"),
+                                       ("fp16", "staged"), ("fp16", "operand"),
+                                       ("fp8", "staged")}
+    assert _converts(KVFormat.BF16) == {("bf16", "staged")}
+    assert _converts(KVFormat.MXFP4) == {("bf16", "staged")}
