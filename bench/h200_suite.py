@@ -33,10 +33,10 @@ READ_CEILING_GBPS = 4580.0  # streaming read measured on the H200 (platform.md)
 OURS, LIBRARY, TORCH = "triton", "flashinfer", "torch"
 
 
-def _best(store: TuningStore, device_id: int, shape: Shape, backend: str) -> float | None:
-    """Best time of `backend` at `shape`, from trials of its current kernel source only
-    (an edited kernel's old trials describe code that no longer exists)."""
-    source = source_hashes().get(backend)
+def _best(store: TuningStore, device_id: int, shape: Shape, backend: str,
+          source: str | None) -> float | None:
+    """Best time of `backend` at `shape`, from trials of its current kernel source `source`
+    only (an edited kernel's old trials describe code that no longer exists)."""
     times = [t.median_us for t in store.trials(device_id=device_id, shape_key=shape.key,
                                                backend=backend, status="ok")
              if t.median_us is not None and t.source_hash == source]
@@ -50,6 +50,7 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
 def tables(store: TuningStore, device_id: int, shapes: list[Shape], ceiling: float) -> str:
     """Markdown: one table per KV format over `shapes`."""
     lines: list[str] = []
+    sources = source_hashes()
     for fmt in KVFormat:
         group = [s for s in shapes if s.kv_format is fmt]
         if not group:
@@ -59,7 +60,7 @@ def tables(store: TuningStore, device_id: int, shapes: list[Shape], ceiling: flo
                   "ours TB/s | % of read ceiling |", "|---|---|---|---|---|---|---|"]
         cols: dict[str, list[float]] = {OURS: [], LIBRARY: [], TORCH: []}
         for s in group:
-            t = {b: _best(store, device_id, s, b) for b in cols}
+            t = {b: _best(store, device_id, s, b, sources.get(b)) for b in cols}
             for b, v in t.items():
                 if v is not None:
                     cols[b].append(v)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from mla_tune.backends import Backend, get_backend
+from mla_tune.fingerprint import current_device
 from mla_tune.problem import Shape
 from mla_tune.timing import TimingPolicy
 from mla_tune.workers import WorkerContext, WorkerPool
@@ -185,8 +186,6 @@ class CompileStage:
             if self._pool is None:
                 self._pool = self._new_pool(len(tasks))
                 self._pool.launch()
-            from mla_tune.fingerprint import current_device
-
             arch = current_device(self._device).arch
             self._summary = run_compiles(tasks, arch, self._pool, self._job_limit_s,
                                          self._cancel)

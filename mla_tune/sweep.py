@@ -202,7 +202,6 @@ class _Sweep:
         # Shape whose input and reference each worker slot holds (it regenerates them when
         # it moves to another shape, so each worker keeps to a shape of its own).
         self.holds: dict[int, str] = {}
-        self._warmed = False
         self.new_trials = 0
         self.storage = store.optuna_storage(heartbeat_s=max(1, round(options.heartbeat_s)),
                                             grace_s=max(1, round(options.stale_after_s)))
@@ -211,8 +210,7 @@ class _Sweep:
     def warm_up(self) -> None:
         """Work that needs no compiled kernel, sent while the compile stage finishes: the
         device's read bandwidth (once per device) on one worker; on each other, its first
-        shape's input and reference and its backends' imports."""
-        self._warmed = True
+        shape's input and reference and its backends' imports. Called once, before `run`."""
         self._measure_bandwidth()
         names = tuple(b.name for b in self.usable)
         for i, slot in enumerate(self.pool.idle()):
@@ -222,8 +220,6 @@ class _Sweep:
             self.holds[slot] = shape.key
 
     def run(self) -> list[ShapeResult]:
-        if not self._warmed:
-            self.warm_up()
         while not self._finished():
             self._fill()
             now = time.monotonic()
