@@ -73,7 +73,19 @@ class Software(Base):
     versions_json: Mapped[str] = mapped_column(Text)
 
 
-class Trial(Base):
+class _TuningKey:
+    """The columns that say what was tuned where: device, software stack, shape, backend
+    and its kernel source (`store.TrialGroup` queries by them). Shared by trials, winners
+    and claims."""
+
+    device_id: Mapped[int] = mapped_column(ForeignKey("mt_devices.id"))
+    software_id: Mapped[int] = mapped_column(ForeignKey("mt_software.id"))
+    shape_key: Mapped[str] = mapped_column(Text)
+    backend: Mapped[str] = mapped_column(Text)
+    source_hash: Mapped[str] = mapped_column(Text)
+
+
+class Trial(_TuningKey, Base):
     __tablename__ = "mt_trials"
     __table_args__ = (
         UniqueConstraint("device_id", "software_id", "shape_key", "backend", "source_hash",
@@ -82,13 +94,8 @@ class Trial(Base):
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    device_id: Mapped[int] = mapped_column(ForeignKey("mt_devices.id"))
-    software_id: Mapped[int] = mapped_column(ForeignKey("mt_software.id"))
-    shape_key: Mapped[str] = mapped_column(Text)
     shape_json: Mapped[str] = mapped_column(Text)
     kv_format: Mapped[str] = mapped_column(Text)
-    backend: Mapped[str] = mapped_column(Text)
-    source_hash: Mapped[str] = mapped_column(Text)
     config_json: Mapped[str] = mapped_column(Text)
     config_key: Mapped[str] = mapped_column(Text)
     status: Mapped[str] = mapped_column(String(16))
@@ -105,27 +112,22 @@ class Trial(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class Winner(Base):
+class Winner(_TuningKey, Base):
     __tablename__ = "mt_winners"
     __table_args__ = (
         UniqueConstraint("device_id", "software_id", "shape_key", name="uq_mt_winners_key"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    device_id: Mapped[int] = mapped_column(ForeignKey("mt_devices.id"))
-    software_id: Mapped[int] = mapped_column(ForeignKey("mt_software.id"))
-    shape_key: Mapped[str] = mapped_column(Text)
     shape_json: Mapped[str] = mapped_column(Text)
     kv_format: Mapped[str] = mapped_column(Text)
-    backend: Mapped[str] = mapped_column(Text)
-    source_hash: Mapped[str] = mapped_column(Text)
     config_json: Mapped[str] = mapped_column(Text)
     trial_id: Mapped[int] = mapped_column(ForeignKey("mt_trials.id"))
     median_us: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class Claim(Base):
+class Claim(_TuningKey, Base):
     """A candidate queued for measurement or being measured: the work queue that every
     sweep process on this DB shares. The row is deleted in the transaction that stores the
     candidate's trial, so a candidate is either queued, claimed, or measured."""
@@ -138,11 +140,6 @@ class Claim(Base):
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    device_id: Mapped[int] = mapped_column(ForeignKey("mt_devices.id"))
-    software_id: Mapped[int] = mapped_column(ForeignKey("mt_software.id"))
-    shape_key: Mapped[str] = mapped_column(Text)
-    backend: Mapped[str] = mapped_column(Text)
-    source_hash: Mapped[str] = mapped_column(Text)
     config_key: Mapped[str] = mapped_column(Text)
     config_json: Mapped[str] = mapped_column(Text)
     state: Mapped[str] = mapped_column(String(16))
