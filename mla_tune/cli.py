@@ -517,8 +517,9 @@ def _print_diff(label_a: str, label_b: str, rows: Sequence[Any], summary: Sequen
         out.print(f"geometric mean {g.kv_format} on {g.device}: {g.before_us:.1f} -> "
                   f"{g.after_us:.1f} µs ({g.change:+.1%}) over {g.shapes} common shapes",
                   highlight=False)
-    counts = {s: sum(d.status == s for d in rows) for s in ("regression", "improvement",
-                                                            "same", "new", "gone")}
+    from mla_tune.diff import STATUSES
+
+    counts = {s: sum(d.status == s for d in rows) for s in STATUSES}
     out.print(", ".join(f"{n} {s}" for s, n in counts.items()), highlight=False)
 
 

@@ -78,7 +78,7 @@ from typing import Any
 import torch
 
 from mla_tune.backends import Backend, get_backend
-from mla_tune.fingerprint import CORE_PACKAGES, current_device, current_software
+from mla_tune.fingerprint import CORE_PACKAGES, current_device, current_software, software_diff
 from mla_tune.problem import (
     KV_LORA_RANK,
     QK_HEAD_DIM,
@@ -460,7 +460,7 @@ class Dispatcher:
                 versions = {}
             extra.update(versions)
             own[fam.backend.name] = set(versions)
-        here_sw = current_software(extra).as_dict()
+        here_sw = current_software(extra)
         table: dict[str, _Winner] = {}
         warned: set[str] = set()
         for r, fam in usable:
@@ -474,9 +474,9 @@ class Dispatcher:
             # A winner depends on the core stack and on its own backend's libraries only
             # (a FlashInfer upgrade says nothing about a Triton winner).
             relevant = set(CORE_PACKAGES) | own.get(r.backend, set())
-            theirs = r.software.as_dict()
-            diff = tuple(sorted(k for k, v in theirs.items()
-                                if k in relevant and here_sw.get(k) != v))
+            changed = {k: v for k, v in software_diff(r.software, here_sw).items()
+                       if k in relevant and v[0] is not None}
+            diff = tuple(changed)
             if diff:
                 if self.strict:
                     self._ignore("tuned under other library versions (strict)")
@@ -485,8 +485,8 @@ class Dispatcher:
                     warned.add(r.software.hash)
                     log.warning("mla-tune: using winners tuned under other versions (%s); "
                                 "pass strict=True to ignore them",
-                                ", ".join(f"{k} {theirs[k]} here {here_sw.get(k, 'absent')}"
-                                          for k in diff))
+                                ", ".join(f"{k} {a} here {b or 'absent'}"
+                                          for k, (a, b) in changed.items()))
             w = _Winner(r, config, diff)
             prev = table.get(r.shape.key)
             if prev is None or self._rank(w) < self._rank(prev):

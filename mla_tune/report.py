@@ -13,6 +13,7 @@ from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import cached_property
 from typing import Any
 
 from mla_tune.db import TrialRow, TuningStore, WinnerRow
@@ -129,9 +130,10 @@ class ReportRow:
         """Half-width of the 95% CI of the winner's mean time (None below 2 samples)."""
         return ci95_halfwidth(self.std_us, self.n)
 
-    @property
+    @cached_property
     def knob_spread(self) -> dict[str, float]:
-        """Which knobs of the winning backend mattered (see `knob_spread`)."""
+        """Which knobs of the winning backend mattered (see `knob_spread`); computed once
+        per row (the HTML report reads it several times)."""
         return knob_spread(latest_source_trials(self.trials), self.backend)
 
     def to_json(self) -> dict[str, Any]:
@@ -165,16 +167,15 @@ def _best(trials: list[TrialRow], backends: Iterable[str]) -> tuple[str | None, 
     return best
 
 
-def _row(store: TuningStore, w: WinnerRow) -> ReportRow:
+def _row(w: WinnerRow, trials: list[TrialRow]) -> ReportRow:
+    """The report row of winner `w`, from the trials of its tuning key (oldest first)."""
     shape = Shape.from_json(w.shape_json)
-    trials = store.trials(device_id=w.device_id, software_id=w.software_id,
-                          shape_key=w.shape_key)
     ok = [t for t in trials if t.status == "ok"]
     win = next((t for t in trials if t.id == w.trial_id), None)
     base_backend, base_us = _best(ok, LIBRARY_BACKENDS)
-    if base_backend is None:
-        base_backend, base_us = _best(ok, ("torch",))
     _, torch_us = _best(ok, ("torch",))
+    if base_backend is None and torch_us is not None:
+        base_backend, base_us = "torch", torch_us
     gbps = shape.kv_bytes / (w.median_us * 1e-6) / 1e9
     bw = w.device_read_bw_gbps
     return ReportRow(
@@ -197,7 +198,13 @@ def report_rows(store: TuningStore, shape_key: str | None = None, *,
                if (shape_keys is None or w.shape_key in shape_keys)
                and (device_hash is None or w.device.hash.startswith(device_hash))
                and (software_hash is None or w.software.hash.startswith(software_hash))]
-    rows = [_row(store, w) for w in winners]
+    # One query for all trials, grouped by tuning key (a query per winner was slow on
+    # PostgreSQL over a network).
+    by_key: dict[tuple[int, int, str], list[TrialRow]] = defaultdict(list)
+    if winners:
+        for t in store.trials(shape_key=shape_key):
+            by_key[t.device_id, t.software_id, t.shape_key].append(t)
+    rows = [_row(w, by_key[w.device_id, w.software_id, w.shape_key]) for w in winners]
     rows.sort(key=lambda r: (r.device, r.software_hash, r.shape.kv_format.value, r.shape.q_len,
                              r.shape.heads, r.shape.kv_len, r.shape.batch))
     return rows

@@ -460,7 +460,8 @@ def render_html(store: TuningStore, rows: Sequence[ReportRow],
                 suite: Sequence[Shape] | None = None, suite_name: str | None = None) -> str:
     """The whole report as one HTML document: summary, roofline, winners table, and the
     knob charts of every shape, all inline."""
-    read_bw = _read_bw(store)
+    devices = store.devices()
+    read_bw = {d.hash: d.read_bw_gbps for d in devices}
     multi = _multi_group(rows)
     stacks = {w.software.hash: w.software for w in store.winners()}
     used_devices = {r.device_hash for r in rows}
@@ -482,7 +483,7 @@ def render_html(store: TuningStore, rows: Sequence[ReportRow],
         return "\n".join(parts)
     dev_rows = [[_esc(d.fingerprint.name), f"<code>{d.hash}</code>", _esc(d.fingerprint.arch),
                  _num(d.read_bw_gbps, ".0f") if d.read_bw_gbps else "not measured"]
-                for d in store.devices() if d.hash in used_devices]
+                for d in devices if d.hash in used_devices]
     stack_rows = [[f"<code>{h}</code>",
                    _esc(", ".join(f"{k} {v}" for k, v in stacks[h].versions))]
                   for h in dict.fromkeys(r.software_hash for r in rows) if h in stacks]

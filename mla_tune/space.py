@@ -6,6 +6,7 @@ backend sees it, so a shared tuning DB cannot make a process run anything unexpe
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import tomllib
@@ -131,9 +132,11 @@ def load_toml(relpath: str) -> dict[str, Any]:
         return tomllib.load(f)
 
 
+@functools.cache
 def load_backend_space(backend: str, device_type: str = "cuda") -> ParamSpace:
     """The declared space of a backend: `[space]`, with `[space.<device_type>]` lists
-    replacing the defaults for that device type (e.g. a smaller grid on CPU)."""
+    replacing the defaults for that device type (e.g. a smaller grid on CPU). Read once per
+    process: spaces are package data, and the dispatcher and feasibility checks ask often."""
     data = load_toml(f"backends/{backend}.toml")
     space = dict(data.get("space", {}))
     per_device = {k: v for k, v in space.items() if isinstance(v, dict)}

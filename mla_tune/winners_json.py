@@ -286,8 +286,15 @@ def import_winners(store: TuningStore, path: str | os.PathLike[str]) -> ImportSu
     worker = f"import:{Path(path).name}"[:MAX_TEXT]
     current: dict[tuple[int, int, str], list[WinnerRecord]] = {}
     stale = 0
+    device_ids: dict[DeviceFingerprint, int] = {}
+    software_ids: dict[SoftwareFingerprint, int] = {}
     for r in records:
-        device_id, software_id = store.device_id(r.device), store.software_id(r.software)
+        # A file usually holds one device and stack: look each up (a write) once.
+        if r.device not in device_ids:
+            device_ids[r.device] = store.device_id(r.device)
+        if r.software not in software_ids:
+            software_ids[r.software] = store.software_id(r.software)
+        device_id, software_id = device_ids[r.device], software_ids[r.software]
         store.record_trial(device_id=device_id, software_id=software_id,
                            shape_key=r.shape.key, shape_json=r.shape.to_json(),
                            kv_format=r.shape.kv_format.value, backend=r.backend,
