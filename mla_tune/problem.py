@@ -11,16 +11,16 @@ import hashlib
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 KV_LORA_RANK = 512
 QK_ROPE_HEAD_DIM = 64
 QK_HEAD_DIM = KV_LORA_RANK + QK_ROPE_HEAD_DIM  # 576
 V_HEAD_DIM = KV_LORA_RANK  # 512
 SM_SCALE = 1.0 / math.sqrt(QK_HEAD_DIM)
-SUPPORTED_HEADS = (16, 32, 64, 128)
 MAX_Q_LEN = 4
 
 
@@ -87,8 +87,6 @@ class Shape:
 
     @classmethod
     def uniform(cls, batch: int, kv_len: int, **kw: Any) -> "Shape":
-        if batch < 1:
-            raise ShapeError(f"batch must be >= 1, got {batch}")
         return cls(batch=batch, kv_lens=(kv_len,) * batch, **kw)
 
     @property
@@ -189,7 +187,9 @@ def parse_shape(text: str, *, q_len: int = 1, heads: int = 16,
                          kv_format=KVFormat(kv_format), page_size=page_size)
 
 
-TaskInput = tuple[torch.Tensor, dict[str, Any], torch.Tensor, torch.Tensor, dict[str, Any]]
+# torch is imported where inputs are made, not here: `mla-tune report`, `diff` and
+# `export` import this module and never need torch (1.2 s of CLI start-up).
+TaskInput = tuple["torch.Tensor", dict[str, Any], "torch.Tensor", "torch.Tensor", dict[str, Any]]
 
 
 def generate_input(shape: Shape, seed: int = 0, device: str | torch.device = "cpu") -> TaskInput:
@@ -198,6 +198,8 @@ def generate_input(shape: Shape, seed: int = 0, device: str | torch.device = "cp
     `kv_data` holds all three formats quantized from the same bf16 cache, as the task does,
     so a kernel of any format can be checked against the same reference.
     """
+    import torch
+
     from mla_tune import quant
 
     # Drawn on the target device: a GPU-sized cache (1.2 G values for 256x8192) would take

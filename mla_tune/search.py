@@ -66,7 +66,9 @@ class SearchDriver:
         self.measured = dict(measured)
         self.distributions = {name: CategoricalDistribution(list(choices))
                               for name, choices in space.params}
-        self._feasible = {config_key(c) for c in candidates}
+        # Each candidate's key, computed once (`_todo` runs several times per trial).
+        self._keys = [config_key(c) for c in candidates]
+        self._feasible = set(self._keys)
         self.budget = budget
         # Configs handed out and not told yet, with the Optuna trial they were asked as
         # (None for one claimed from the queue rather than asked here).
@@ -83,10 +85,7 @@ class SearchDriver:
 
     def remaining(self) -> int:
         """Configs still to measure under the budget (not counting those out now)."""
-        todo = len(self._todo())
-        if self.budget is None:
-            return todo
-        return min(todo, self._room())
+        return self._within_budget(len(self._todo()))
 
     def has_room(self) -> bool:
         """Whether the budget allows another config to go out, wherever it comes from
@@ -95,7 +94,8 @@ class SearchDriver:
 
     def grid_todo(self) -> list[dict[str, Any]]:
         """The grid configs still to measure under the budget, in grid order."""
-        return self._todo()[:self.remaining()]
+        todo = self._todo()
+        return todo[:self._within_budget(len(todo))]
 
     def taken(self, config: dict[str, Any]) -> None:
         """`config` was claimed from the queue (left there by a grid run or a stopped
@@ -123,15 +123,14 @@ class SearchDriver:
         """The next config to measure, or None when the budget or the candidates are used
         up. `grid` walks the grid; `tpe`/`random` ask the sampler and, once it only
         repeats itself, fill the budget from the grid."""
-        if self.remaining() <= 0:
+        todo = self._todo()
+        if self._within_budget(len(todo)) <= 0:
             return None
         if self.strategy is not Strategy.GRID:
             config = self._ask_sampler()
             if config is not None:
                 return config
-        todo = self.grid_todo()
-        if not todo:
-            return None
+        # A sampler that found nothing new changed nothing `todo` depends on.
         self._pending[config_key(todo[0])] = None
         return todo[0]
 
@@ -171,8 +170,12 @@ class SearchDriver:
 
     def _todo(self) -> list[dict[str, Any]]:
         """Candidates nobody has measured or is measuring, as far as this driver knows."""
-        return [c for c in self.candidates if (k := config_key(c)) not in self.measured
+        return [c for c, k in zip(self.candidates, self._keys) if k not in self.measured
                 and k not in self._pending and k not in self._elsewhere]
+
+    def _within_budget(self, todo: int) -> int:
+        """How many of `todo` configs the budget still allows."""
+        return todo if self.budget is None else min(todo, self._room())
 
     def _room(self) -> int:
         assert self.budget is not None

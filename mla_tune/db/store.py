@@ -570,13 +570,13 @@ class TuningStore:
         median = stats.get("median_us")
         if status == "ok" and (median is None or not math.isfinite(median)):
             raise ValueError(f"an 'ok' trial needs a finite median_us, got {median!r}")
+        ckey = config_key(config)  # the key is the config's canonical JSON, stored as both
         key = {"device_id": device_id, "software_id": software_id, "shape_key": shape_key,
-               "backend": backend, "source_hash": source_hash,
-               "config_key": config_key(config)}
+               "backend": backend, "source_hash": source_hash, "config_key": ckey}
         kv = kv_format.value if isinstance(kv_format, enum.Enum) else str(kv_format)
         with self._session() as s:
             s.execute(self._insert(Trial).values(
-                **key, shape_json=config_key(shape_json), kv_format=kv, config_json=config_key(config),
+                **key, shape_json=config_key(shape_json), kv_format=kv, config_json=ckey,
                 status=status, **{k: stats.get(k) for k in STAT_KEYS},
                 max_abs_err=max_abs_err, mismatch_frac=mismatch_frac, error=error,
                 worker=worker, created_at=utcnow(),
@@ -600,12 +600,12 @@ class TuningStore:
     def enqueue(self, group: TrialGroup, configs: Iterable[Mapping[str, Any]]) -> None:
         """Queue candidates of `group` for measurement, in order; measured or already
         queued ones are left alone."""
-        rows = {config_key(c): config_key(c) for c in configs}
+        keys = dict.fromkeys(config_key(c) for c in configs)  # canonical JSON, in order
         with self._session() as s:
             measured = set(s.scalars(select(Trial.config_key).where(*group.where(Trial))))
-            values = [{**{k: getattr(group, k) for k in _GROUP_KEY}, "config_key": k,
-                       "config_json": v, "state": "pending", "created_at": utcnow()}
-                      for k, v in rows.items() if k not in measured]
+            values = [{**{k: getattr(group, k) for k in _GROUP_KEY}, "config_key": c,
+                       "config_json": c, "state": "pending", "created_at": utcnow()}
+                      for c in keys if c not in measured]
             if values:
                 s.execute(self._insert(Claim)
                           .on_conflict_do_nothing(index_elements=list(_TRIAL_KEY)), values)
@@ -633,7 +633,7 @@ class TuningStore:
                 key = config_key(config)
                 s.execute(self._insert(Claim).values(
                     **{k: getattr(group, k) for k in _GROUP_KEY}, config_key=key,
-                    config_json=config_key(config), state="pending", created_at=utcnow(),
+                    config_json=key, state="pending", created_at=utcnow(),
                 ).on_conflict_do_nothing(index_elements=list(_TRIAL_KEY)))
                 query = query.where(Claim.config_key == key)
             row = s.execute(query).first()
