@@ -79,11 +79,13 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _open_store(db: str | None) -> Any:
+def _open_store(db: str | None, *, read_only: bool = False) -> Any:
+    """The tuning DB; `read_only` opens it as it is (it must exist; nothing is created or
+    migrated)."""
     from mla_tune.db import DBError, TuningStore
 
     try:
-        return TuningStore(db)
+        return TuningStore(db, read_only=read_only)
     except DBError as exc:
         fail(str(exc))
 
@@ -134,7 +136,7 @@ def sweep(
     Candidates run in worker processes (one per GPU), so a crashing or hanging variant is
     recorded and the sweep goes on. Interrupt it at any moment and run the same command
     again to finish; several sweeps on one DB share the work."""
-    from mla_tune.backends import UnknownBackendError, get_backend
+    from mla_tune.backends import UnknownBackendError
     from mla_tune.search import Strategy
     from mla_tune.sweep import (
         SweepError,
@@ -152,15 +154,14 @@ def sweep(
         strat = Strategy(strategy)
     except ValueError:
         fail(f"unknown strategy {strategy!r}; choose grid, tpe or random")
-    for name in backend:
-        try:
-            get_backend(name)
-        except UnknownBackendError as exc:
-            fail(str(exc))
+    try:
+        backends = resolve_backends(backend, not no_baseline)
+    except UnknownBackendError as exc:
+        fail(str(exc))
     devices = _sweep_devices(device or _default_device(), gpus)
     pins = _pins(pin, devices[0])
     if dry_run:
-        _print_plan(shapes, resolve_backends(backend, not no_baseline), devices[0], pins)
+        _print_plan(shapes, backends, devices[0], pins)
         return
     log.debug("sweep arguments checked")
     store = _open_store(db)
@@ -169,7 +170,6 @@ def sweep(
                            policy=TimingPolicy(budget_s=time_budget), baselines=not no_baseline,
                            candidate_timeout_s=candidate_timeout, pins=pins,
                            compile_ahead=not no_compile_ahead)
-    backends = resolve_backends(backend, options.baselines)
     # SIGTERM stops the sweep as cleanly as Ctrl-C (workers ignore both; the driver ends them).
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -285,16 +285,6 @@ def _print_winners(results: Sequence[Any]) -> None:
         console.print(f"skipped {name}: {reason}", highlight=False)
 
 
-def _read_store(db: str | None) -> Any:
-    """The tuning DB opened read-only (it must exist; nothing is created or migrated)."""
-    from mla_tune.db import DBError, TuningStore
-
-    try:
-        return TuningStore(db, read_only=True)
-    except DBError as exc:
-        fail(str(exc))
-
-
 @app.command()
 def report(
     db: str | None = typer.Option(None, help=DB_HELP),
@@ -335,7 +325,7 @@ def report(
             require_matplotlib()
         except MissingDependencyError as exc:
             fail(str(exc))
-    store = _read_store(db)
+    store = _open_store(db, read_only=True)
     rows = report_rows(store, shape_key=shape, software_hash=software,
                        shape_keys=suite_keys(suite_list) if suite_list is not None else None)
     if html is not None:
@@ -435,7 +425,7 @@ def _diff_side(ref: str, db: str | None) -> Any:
     from mla_tune.diff import DiffSide
 
     if _STACK_HASH.fullmatch(ref) and not Path(ref).exists():
-        store = _read_store(db)
+        store = _open_store(db, read_only=True)
         known = sorted({w.software.hash for w in store.winners()})
         match = [h for h in known if h.startswith(ref)]
         if len(match) != 1:
@@ -446,7 +436,7 @@ def _diff_side(ref: str, db: str | None) -> Any:
     if "://" not in ref and not Path(ref).is_file():
         fail(f"{ref!r} is neither a tuning DB file nor a software stack hash of --db; give a "
              "DB path or URL, or a hash from `mla-tune report --format json`")
-    return DiffSide.load(_read_store(ref), ref)
+    return DiffSide.load(_open_store(ref, read_only=True), ref)
 
 
 @app.command()
@@ -534,7 +524,7 @@ def export_cmd(
 
     if out_path.is_dir() or not out_path.absolute().parent.is_dir():
         fail(f"--out {out_path}: give a file path in an existing directory")
-    store = _read_store(db)
+    store = _open_store(db, read_only=True)
     device_hash = None
     if device is not None:
         known = [d.hash for d in store.devices()]
@@ -556,11 +546,11 @@ def import_cmd(
     from mla_tune.winners_json import WinnersFileError, import_winners, load_winners_json
 
     try:
-        load_winners_json(path)  # validate before the DB is opened, let alone written
+        records = load_winners_json(path)  # validated before the DB is opened or written
     except (OSError, WinnersFileError) as exc:
         fail(f"cannot import {path}: {exc}")
     store = _open_store(db)
-    s = import_winners(store, path)
+    s = import_winners(store, path, records)
     console.print(f"imported {s.trials} winners into {store.url}: {s.won} now win their "
                   f"shape; {s.not_current} kept as trials only (backend unknown here or "
                   "kernel sources differ)")

@@ -359,12 +359,15 @@ class Dispatcher:
             if not s.is_ragged:
                 self._uniform.setdefault((s.kv_format, s.heads, s.q_len, s.page_size),
                                          []).append(w)
-        self._force = _parse_force(os.environ.get(FORCE_ENV, ""))
-        if self._force is not None:
-            fam = self._family(self._force[0])
+        # The forced variant, checked and typed once: (family name, knob values).
+        self._force_spec = os.environ.get(FORCE_ENV, "")
+        self._force: tuple[str, dict[str, Any]] | None = None
+        parsed = _parse_force(self._force_spec)
+        if parsed is not None:
+            fam = self._family(parsed[0])
             if isinstance(fam, str):
                 raise ValueError(f"{FORCE_ENV}: {fam}")
-            _typed_force(fam.space, self._force[1])
+            self._force = (parsed[0], _typed_force(fam.space, parsed[1]))
         self._trace = os.environ.get(TRACE_ENV, "").strip() not in ("", "0")
         self._routes: dict[tuple[Any, ...], Runner] = {}
         self._other: dict[tuple[Any, ...], Runner] = {}
@@ -517,16 +520,15 @@ class Dispatcher:
     def _forced(self, shape: Shape) -> Decision | None:
         if self._force is None:
             return None
-        name, raw = self._force
+        name, want = self._force
         fam = self._family(name)
         assert not isinstance(fam, str)  # checked in __init__
-        want = _typed_force(fam.space, raw)
         if fam.backend.supports(shape) is None:
             for c in fam.backend.candidates(shape, self.device):
                 if all(c[k] == v for k, v in want.items()):
                     return Decision(shape, name, c, "forced", f"by {FORCE_ENV}")
         log.warning("mla-tune: %s=%s is not feasible for %s; routing as usual", FORCE_ENV,
-                    os.environ.get(FORCE_ENV), shape.key)
+                    self._force_spec, shape.key)
         return None
 
     def _tuned(self, shape: Shape) -> Decision | None:

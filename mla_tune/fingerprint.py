@@ -134,11 +134,14 @@ class SoftwareFingerprint:
         return cls(tuple((str(k), str(v)) for k, v in d.items()))
 
 
-def _installed_version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def installed_version(*dists: str) -> str | None:
+    """Version of the first of `dists` (distribution names of one package) installed."""
+    for dist in dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def current_software(extra: Mapping[str, str] | None = None) -> SoftwareFingerprint:
@@ -148,11 +151,9 @@ def current_software(extra: Mapping[str, str] | None = None) -> SoftwareFingerpr
 
     versions = {"python": platform.python_version(), "torch": str(torch.__version__)}
     # Triton ships under another distribution name in PyTorch's nightly and ROCm wheels.
-    for dist in ("triton", "pytorch-triton", "pytorch-triton-rocm"):
-        version = _installed_version(dist)
-        if version is not None:
-            versions["triton"] = version
-            break
+    triton = installed_version("triton", "pytorch-triton", "pytorch-triton-rocm")
+    if triton is not None:
+        versions["triton"] = triton
     versions.update({str(k): str(v) for k, v in (extra or {}).items()})
     return SoftwareFingerprint(tuple(versions.items()))
 

@@ -17,10 +17,6 @@ def _suites() -> dict[str, Any]:
     return load_toml("suites.toml").get("suites", {})
 
 
-def suite_names() -> list[str]:
-    return list(_suites())
-
-
 def suite_shapes(name: str, kv_formats: list[KVFormat] | None = None) -> list[Shape]:
     """The shapes of suite `name`; `kv_formats` overrides the formats the suite declares."""
     suites = _suites()

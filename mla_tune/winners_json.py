@@ -275,13 +275,16 @@ class ImportSummary:
     not_current: int
 
 
-def import_winners(store: TuningStore, path: str | os.PathLike[str]) -> ImportSummary:
+def import_winners(store: TuningStore, path: str | os.PathLike[str],
+                   records: list[WinnerRecord] | None = None) -> ImportSummary:
     """Store each winner of a file as an 'ok' trial under its own device and stack, then
     recompute those shapes' winners, so an imported winner competes with local trials
-    instead of overwriting them. Re-importing the same file changes nothing."""
+    instead of overwriting them. Re-importing the same file changes nothing. `records`:
+    the file already read with `load_winners_json` (it is not read again)."""
     from mla_tune.backends import source_hashes
 
-    records = load_winners_json(path)
+    if records is None:
+        records = load_winners_json(path)
     sources = source_hashes()
     worker = f"import:{Path(path).name}"[:MAX_TEXT]
     current: dict[tuple[int, int, str], list[WinnerRecord]] = {}

@@ -24,7 +24,6 @@ problem.md.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import inspect
 import math
@@ -39,6 +38,7 @@ import torch
 from mla_tune import quant
 from mla_tune.backends import vendor
 from mla_tune.backends.base import Availability, Backend, KernelFn
+from mla_tune.fingerprint import installed_version
 from mla_tune.problem import (QK_HEAD_DIM, SM_SCALE, V_HEAD_DIM, KVFormat, Shape, TaskInput)
 from mla_tune.space import load_backend_space
 
@@ -323,10 +323,6 @@ class AiterBackend(Backend):
         return [Path(__file__), Path(vendor.__file__)]
 
     def versions(self) -> dict[str, str]:
-        for dist in ("amd-aiter", "aiter"):
-            try:
-                return {"aiter": importlib.metadata.version(dist)}
-            except importlib.metadata.PackageNotFoundError:
-                continue
-        return {}
+        version = installed_version("amd-aiter", "aiter")
+        return {"aiter": version} if version else {}
 
