@@ -41,68 +41,125 @@ D_ROPE = tl.constexpr(64)
 D_QK = tl.constexpr(576)
 LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(448.0)
+MERGE_CHUNKS = tl.constexpr(8)
+"""Programs per (row block, sequence) in the second-launch merge, each on 512/8 dims."""
 LAZY_TAU = tl.constexpr(8.0)
 """Lazy rescaling skips the accumulator rescale until a row max grows by more than this
 (log2 units): probabilities then stay below 2**8, safe in bf16/fp16 and in e4m3."""
 
 
+_E2M1_PTX = tl.constexpr("""
+{
+.reg .b32 t, x, a, b, k, z;
+mov.b32 z, 0;
+mov.b32 k, 0x7E807E80;
+prmt.b32 t, $4, z, 0x4140;
+and.b32 x, t, 0x000F000F;
+shl.b32 a, x, 6;
+shl.b32 b, x, 12;
+lop3.b32 x, a, b, 0x71C071C0, 0xE4;
+mul.rn.bf16x2 x, x, k;
+mul.rn.bf16x2 $0, x, $5;
+and.b32 x, t, 0x00F000F0;
+shl.b32 a, x, 2;
+shl.b32 b, x, 8;
+lop3.b32 x, a, b, 0x71C071C0, 0xE4;
+mul.rn.bf16x2 x, x, k;
+mul.rn.bf16x2 $2, x, $5;
+prmt.b32 t, $4, z, 0x4342;
+and.b32 x, t, 0x000F000F;
+shl.b32 a, x, 6;
+shl.b32 b, x, 12;
+lop3.b32 x, a, b, 0x71C071C0, 0xE4;
+mul.rn.bf16x2 x, x, k;
+mul.rn.bf16x2 $1, x, $6;
+and.b32 x, t, 0x00F000F0;
+shl.b32 a, x, 2;
+shl.b32 b, x, 8;
+lop3.b32 x, a, b, 0x71C071C0, 0xE4;
+mul.rn.bf16x2 x, x, k;
+mul.rn.bf16x2 $3, x, $6;
+}
+""")
+"""sm_90 E2M1 decode of four packed bytes ($4) with per-element bf16 scales ($5, $6) into
+the low nibbles ($0, $1) and high nibbles ($2, $3), two bf16 per register. Each pair of
+bytes is spread to 16-bit lanes (prmt); a nibble's magnitude bits go to bf16 bits 6-8 and
+its sign to bit 15 (and, two shifts, one lop3: (a & c) | (b & ~c)). That bf16 is the E2M1
+value times 2**-126 (E2M1's subnormal 0.5 lands on bf16's subnormal range), so multiplying
+by 2**126 and then by the block scale is exact: 2.25 integer and 1 bf16x2 instruction per
+element."""
+
+
 @triton.jit
-def _decode_e2m1(packed, scale):
-    """E2M1 nibbles [R, NB, 16] uint8 with E8M0 scales [R, NB] -> bf16 [R, NB * 32].
+def _decode_e2m1(packed, scale, NV_ASM: tl.constexpr):
+    """E2M1 nibbles [R, NB, 16] uint8 with E8M0 scales [R, NB] -> (low, high) nibbles as
+    bf16 [R, NB, 16] each: element 2i and 2i+1 of block-relative byte i.
 
-    The block scale is added to the exponent, so the bf16 value is exact (E2M1 has one
-    mantissa bit) and no multiply is needed. Byte i holds element 2i (low) and 2i+1 (high).
-    Both nibbles of a byte are decoded at once in one int32 (two bf16 bit patterns, element
-    2i in the low half), so no full-size int32 intermediate exists per element.
-    """
-    p = packed.to(tl.int32)
-    x = (p | (p << 12)) & 0x000F000F  # low nibble in bits 0-3, high nibble in bits 16-19
-    m = x & 0x00070007  # magnitudes
-    nz = ((m + 0x00070007) >> 3) & 0x00010001  # per half: m >= 1
-    ge2 = ((m + 0x00060006) >> 3) & 0x00010001  # per half: m >= 2 (normal: exponent >= 1)
-    # Per half: m >= 2 -> (m << 6) + ((s - 1) << 7); m == 1 (0.5) -> (s - 1) << 7; 0 -> 0.
-    # = nz * ((s - 1) * 128 - 64) + ((m + ge2) << 6); exact mod 2**32 since each half's
-    # result lies in [0, 0x8000) for scale bytes 1..253 (borrows between halves cancel).
-    e = (scale.to(tl.int32) * 128 - 192)[:, :, None]
-    bits = nz * e + ((m + ge2) << 6) + ((x & 0x00080008) << 12)
-    lo = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    hi = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    out = tl.join(lo, hi)  # [R, NB, 16, 2]: element order 32*blk + 2*byte + nibble
-    R: tl.constexpr = packed.shape[0]
-    NB: tl.constexpr = packed.shape[1]
-    return tl.reshape(out, [R, NB * 32])
-
-
-@triton.jit
-def _load_kv_tile(KV, KV_SC, sc_stride, phys, n_ok,
-                  KV_FMT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One KV tile in its stored form: (nope [BLOCK_N, 512], rope [BLOCK_N, 64]).
-    bf16/fp8 come back as stored; MXFP4 comes back decoded to bf16."""
-    if KV_FMT == 2:
-        blk = tl.arange(0, 16)
-        byte = tl.arange(0, 16)
-        rblk = tl.arange(0, 2)
-        row = phys[:, None, None] * (D_QK // 2)
-        pn = tl.load(KV + row + blk[None, :, None] * 16 + byte[None, None, :],
-                     mask=n_ok[:, None, None], other=0)
-        pr = tl.load(KV + row + D_NOPE // 2 + rblk[None, :, None] * 16 + byte[None, None, :],
-                     mask=n_ok[:, None, None], other=0)
-        srow = phys[:, None] * sc_stride
-        sn = tl.load(KV_SC + srow + blk[None, :], mask=n_ok[:, None], other=0)
-        sr = tl.load(KV_SC + srow + 16 + rblk[None, :], mask=n_ok[:, None], other=0)
-        if sc_stride >= 0:  # always (a row stride); see below
-            kn = _decode_e2m1(pn, sn)
-            kr = _decode_e2m1(pr, sr)
-        else:
-            # Same decode. The branch only keeps the compiler from re-decoding the tile in
-            # each MMA operand layout (it does not rematerialize across an scf.if).
-            kn = _decode_e2m1(pn, sn)
-            kr = _decode_e2m1(pr, sr)
+    The values are exact (E2M1 has one mantissa bit and the scale is a power of two).
+    NV_ASM uses the PTX decode above; elsewhere (AMD, the interpreter) the block scale is
+    added to the exponent with integer arithmetic: both nibbles of a byte in one int32 (two
+    bf16 bit patterns, element 2i in the low half)."""
+    if NV_ASM:
+        s = scale.to(tl.int32)
+        mult = tl.where(s == 0, 0x40, s << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        lo, hi = tl.inline_asm_elementwise(
+            _E2M1_PTX, "=r,=r,=r,=r,r,r,r", [packed, mult[:, :, None]],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
     else:
-        row = phys[:, None] * D_QK
-        kn = tl.load(KV + row + tl.arange(0, D_NOPE)[None, :], mask=n_ok[:, None], other=0.0)
-        kr = tl.load(KV + row + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=n_ok[:, None],
-                     other=0.0)
+        p = packed.to(tl.int32)
+        x = (p | (p << 12)) & 0x000F000F  # low nibble in bits 0-3, high nibble in bits 16-19
+        m = x & 0x00070007  # magnitudes
+        nz = ((m + 0x00070007) >> 3) & 0x00010001  # per half: m >= 1
+        ge2 = ((m + 0x00060006) >> 3) & 0x00010001  # per half: m >= 2 (exponent >= 1)
+        # Per half: m >= 2 -> (m << 6) + ((s - 1) << 7); m == 1 (0.5) -> (s - 1) << 7;
+        # 0 -> 0. = nz * ((s - 1) * 128 - 64) + ((m + ge2) << 6); exact mod 2**32 since
+        # each half's result lies in [0, 0x8000) for scale bytes 1..253 (borrows between
+        # halves cancel).
+        e = (scale.to(tl.int32) * 128 - 192)[:, :, None]
+        bits = nz * e + ((m + ge2) << 6) + ((x & 0x00080008) << 12)
+        lo = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _load_mxfp4_tile(KV, KV_SC, sc_stride, phys, n_ok, NV_ASM: tl.constexpr):
+    """One MXFP4 KV tile decoded to bf16 and split by dimension parity: (nope even, nope
+    odd [BLOCK_N, 256], rope even, rope odd [BLOCK_N, 32]). Keeping the two nibbles of a
+    byte apart (instead of interleaving them) leaves each half contiguous per thread, so
+    it goes to shared memory in wide stores; the products contract over even and odd
+    dimensions separately (Q is split the same way)."""
+    blk = tl.arange(0, 16)
+    byte = tl.arange(0, 16)
+    rblk = tl.arange(0, 2)
+    row = phys[:, None, None] * (D_QK // 2)
+    pn = tl.load(KV + row + blk[None, :, None] * 16 + byte[None, None, :],
+                 mask=n_ok[:, None, None], other=0)
+    pr = tl.load(KV + row + D_NOPE // 2 + rblk[None, :, None] * 16 + byte[None, None, :],
+                 mask=n_ok[:, None, None], other=0)
+    srow = phys[:, None] * sc_stride
+    sn = tl.load(KV_SC + srow + blk[None, :], mask=n_ok[:, None], other=0)
+    sr = tl.load(KV_SC + srow + 16 + rblk[None, :], mask=n_ok[:, None], other=0)
+    R: tl.constexpr = pn.shape[0]
+    if sc_stride >= 0:  # always (a row stride); see below
+        ne, no = _decode_e2m1(pn, sn, NV_ASM)
+        re, ro = _decode_e2m1(pr, sr, NV_ASM)
+    else:
+        # Same decode. The branch only keeps the compiler from re-decoding the tile in
+        # each MMA operand layout (it does not rematerialize across an scf.if).
+        ne, no = _decode_e2m1(pn, sn, NV_ASM)
+        re, ro = _decode_e2m1(pr, sr, NV_ASM)
+    return (tl.reshape(ne, [R, D_NOPE // 2]), tl.reshape(no, [R, D_NOPE // 2]),
+            tl.reshape(re, [R, D_ROPE // 2]), tl.reshape(ro, [R, D_ROPE // 2]))
+
+
+@triton.jit
+def _load_kv_tile(KV, phys, n_ok):
+    """One bf16 or fp8 KV tile as stored: (nope [BLOCK_N, 512], rope [BLOCK_N, 64])."""
+    row = phys[:, None] * D_QK
+    kn = tl.load(KV + row + tl.arange(0, D_NOPE)[None, :], mask=n_ok[:, None], other=0.0)
+    kr = tl.load(KV + row + D_NOPE + tl.arange(0, D_ROPE)[None, :], mask=n_ok[:, None],
+                 other=0.0)
     return kn, kr
 
 
@@ -135,26 +192,30 @@ def _round_e4m3(x):
 
 
 @triton.jit
-def _merge_splits(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows,
-                  BLOCK_M: tl.constexpr):
-    """Combine `n_act` normalized partials of rows `grow` by their log2-sum-exp."""
-    offs_d = tl.arange(0, D_NOPE)
+def _merge_splits(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows, d0,
+                  BLOCK_M: tl.constexpr, D_CHUNK: tl.constexpr, UNROLL: tl.constexpr):
+    """Combine `n_act` normalized partials of rows `grow`, dims [d0, d0 + D_CHUNK), by
+    their log2-sum-exp. UNROLL partials per step: their loads are independent, so they
+    are in flight together (a merge is a chain of cache round trips otherwise)."""
+    offs_d = d0 + tl.arange(0, D_CHUNK)
     m = tl.full([BLOCK_M], -1.0e30, tl.float32)
     wsum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_NOPE], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_CHUNK], tl.float32)
     s = 0
     while s < n_act:  # a while loop: the interpreter cannot range() over a loaded bound
-        prow = s * total_rows + grow
-        lse = tl.load(PART_LSE + prow, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(PART_O + prow[:, None] * D_NOPE + offs_d[None, :], mask=row_ok[:, None],
-                    other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + w[:, None] * o
-        wsum = wsum * alpha + w
-        m = m_new
-        s += 1
+        for k in tl.static_range(UNROLL):
+            ok = row_ok & (s + k < n_act)
+            prow = (s + k) * total_rows + grow
+            lse = tl.load(PART_LSE + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(PART_O + prow[:, None] * D_NOPE + offs_d[None, :], mask=ok[:, None],
+                        other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, lse)
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(lse - m_new)
+            acc = acc * alpha[:, None] + w[:, None] * o
+            wsum = wsum * alpha + w
+            m = m_new
+        s += UNROLL
     wsum = tl.where(wsum > 0, wsum, 1.0)
     out = acc / wsum[:, None]
     tl.store(OUT + grow[:, None] * D_NOPE + offs_d[None, :], out.to(OUT.dtype.element_ty),
@@ -172,11 +233,9 @@ def _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
-                 qnT, qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain,
-                 KV_FMT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PAGED: tl.constexpr, UPCAST: tl.constexpr, STAGED: tl.constexpr):
-    """One KV tile [n0, n0 + BLOCK_N) of the online softmax; returns (m_i, l_i, acc)."""
+def _tile_rows(PAGE_TBL, pg_start, page_shift, kv_start, n0, hi, BLOCK_N: tl.constexpr,
+               PAGED: tl.constexpr):
+    """(token offsets, in-range mask, physical cache rows) of the tile [n0, n0 + BLOCK_N)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     if PAGED:
@@ -186,7 +245,19 @@ def _attend_tile(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start,
     else:
         # Contiguous cache: no table load in the dependency chain of the tile load.
         phys = (kv_start + offs_n).to(tl.int64)
-    kn_raw, kr_raw = _load_kv_tile(KV, KV_SC, sc_stride, phys, n_ok, KV_FMT, BLOCK_N)
+    return offs_n, n_ok, phys
+
+
+@triton.jit
+def _attend_tile(KV, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
+                 qnT, qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain,
+                 KV_FMT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PAGED: tl.constexpr, UPCAST: tl.constexpr, STAGED: tl.constexpr):
+    """One bf16 or fp8 KV tile [n0, n0 + BLOCK_N) of the online softmax; returns
+    (m_i, l_i, acc)."""
+    offs_n, n_ok, phys = _tile_rows(PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
+                                    BLOCK_N, PAGED)
+    kn_raw, kr_raw = _load_kv_tile(KV, phys, n_ok)
     if (KV_FMT == 1) and (COMPUTE != 2) and STAGED:
         # fp8 KV converted for 16-bit MMAs, "staged": converting inside a branch the
         # compiler cannot fold (a row stride is never negative) makes it convert the tile
@@ -207,15 +278,8 @@ def _attend_tile(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start,
     # Transposed products (keys and value dims as the MMA's M side, query rows as N): the
     # KV tile is the A operand straight from shared memory, and a handful of query rows
     # only set N, so the accumulator stays small and Hopper can use wgmma.
-    if KV_FMT == 2:
-        # MXFP4: (query rows x keys), the decoded tile as B operand. With keys as M, each
-        # warp of the 16-row MMA would hold a copy of a whole 16-key slab of the tile.
-        sT = tl.dot(tl.trans(qnT), tl.trans(kn))
-        sT = tl.dot(tl.trans(qrT), tl.trans(kr), sT)
-        s = tl.trans(sT)
-    else:
-        s = tl.dot(kn, qnT)
-        s = tl.dot(kr, qrT, s)
+    s = tl.dot(kn, qnT)
+    s = tl.dot(kr, qrT, s)
     s = s * row_scale[None, :]
     valid = n_ok[:, None] & (offs_n[:, None] <= limit[None, :])
     s = tl.where(valid, s, float("-inf"))
@@ -234,6 +298,49 @@ def _attend_tile(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start,
     return m_i, l_i, acc
 
 
+@triton.jit
+def _attend_tile_mxfp4(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0,
+                       hi, qe, qo, qre, qro, row_scale, limit, m_i, l_i, acc_e, acc_o, lazy,
+                       BLOCK_N: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
+                       NV_ASM: tl.constexpr):
+    """One MXFP4 KV tile of the online softmax over even and odd dimensions apart (see
+    _load_mxfp4_tile); `qe`/`qo` ([BLOCK_M, 256]) and `qre`/`qro` ([BLOCK_M, 32]) are the
+    query rows' even and odd dims, `acc_e`/`acc_o` ([BLOCK_M, 256]) the output's. Returns
+    (m_i, l_i, acc_e, acc_o).
+
+    Query rows are the M side of both products and the decoded tile is the B operand of
+    both (transposed for QK^T), so the tile is written to shared memory once, in the layout
+    it was decoded in, and read from there by both."""
+    offs_n, n_ok, phys = _tile_rows(PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
+                                    BLOCK_N, PAGED)
+    ke, ko, kre, kro = _load_mxfp4_tile(KV, KV_SC, sc_stride, phys, n_ok, NV_ASM)
+    ke = _mma_operand(ke, 0, UPCAST)
+    ko = _mma_operand(ko, 0, UPCAST)
+    kre = _mma_operand(kre, 0, UPCAST)
+    kro = _mma_operand(kro, 0, UPCAST)
+    s = tl.dot(qe, tl.trans(ke))
+    s = tl.dot(qo, tl.trans(ko), s)
+    s = tl.dot(qre, tl.trans(kre), s)
+    s = tl.dot(qro, tl.trans(kro), s)
+    s = s * row_scale[:, None]
+    valid = n_ok[None, :] & (offs_n[None, :] <= limit[:, None])
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Lazy rescaling: skip the accumulator rescale while no row max grew by > LAZY_TAU.
+    if (lazy == 0) | (tl.max(m_new - m_i, 0) > LAZY_TAU):
+        alpha = tl.exp2(m_i - m_new)
+        acc_e = acc_e * alpha[:, None]
+        acc_o = acc_o * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    p = tl.exp2(s - m_i[:, None])
+    l_i += tl.sum(p, 1)
+    pb = _mma_operand(p, 0, UPCAST)
+    acc_e = tl.dot(pb, ke, acc_e)
+    acc_o = tl.dot(pb, ko, acc_o)
+    return m_i, l_i, acc_e, acc_o
+
+
 @triton.jit(do_not_specialize=["sc_stride", "page_shift", "total_rows", "n_splits", "fast"])
 def mla_decode_kernel(
     Q, KV, KV_SCALE, KV_SC, sc_stride,
@@ -242,7 +349,7 @@ def mla_decode_kernel(
     H, total_rows, n_splits, qk_scale, fast,
     KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
-    FP8_STAGED: tl.constexpr,
+    FP8_STAGED: tl.constexpr, NV_ASM: tl.constexpr,
 ):
     """Grid (row blocks, splits, batch). See the module docstring for the scheme.
     `fast` (runtime, so it costs no extra compile): lazy rescaling and the fused
@@ -261,24 +368,6 @@ def mla_decode_kernel(
         grow = (q_start * H + offs_m).to(tl.int64)
         offs_d = tl.arange(0, D_NOPE)
         offs_r = tl.arange(0, D_ROPE)
-        qn = tl.load(Q + grow[:, None] * D_QK + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        qr = tl.load(Q + grow[:, None] * D_QK + D_NOPE + offs_r[None, :], mask=row_ok[:, None],
-                     other=0.0)
-        # Per-row factor taking raw dot products to log2-domain logits.
-        row_scale = tl.full([BLOCK_M], qk_scale, tl.float32)
-        if KV_FMT == 1:
-            kv_scale = tl.load(KV_SCALE)
-            row_scale = row_scale * kv_scale
-        if COMPUTE == 2:
-            amax = tl.maximum(tl.max(tl.abs(qn.to(tl.float32)), 1),
-                              tl.max(tl.abs(qr.to(tl.float32)), 1))
-            q_sc = tl.maximum(amax, 1e-12) / FP8_MAX
-            qn = qn.to(tl.float32) / q_sc[:, None]
-            qr = qr.to(tl.float32) / q_sc[:, None]
-            row_scale = row_scale * q_sc
-        qnT = tl.trans(_mma_operand(qn, COMPUTE, UPCAST))
-        qrT = tl.trans(_mma_operand(qr, COMPUTE, UPCAST))
-
         # Causal limit per row (inclusive) and the key range this program must visit.
         limit = L - q_len + offs_m // H
         j_max = tl.minimum((r0 + BLOCK_M - 1) // H, q_len - 1)
@@ -287,35 +376,82 @@ def mla_decode_kernel(
         pg_start = 0
         if PAGED:
             pg_start = tl.load(PAGE_INDPTR + b)
-
-        # fp8 P: p <= 1 (<= 2**LAZY_TAU when lazy); a power-of-two gain uses e4m3's range.
-        p_gain = tl.where(fast != 0, 1.0, 256.0)
+        # Per-row factor taking raw dot products to log2-domain logits.
+        row_scale = tl.full([BLOCK_M], qk_scale, tl.float32)
+        out_scale = tl.full([BLOCK_M], 1.0, tl.float32)
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([D_NOPE, BLOCK_M], tl.float32)
-        if UPCAST:
-            # The interpreter cannot take loaded scalars as range() bounds (numpy >= 2).
-            n0 = lo
-            while n0 < hi:
-                m_i, l_i, acc = _attend_tile(
-                    KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
-                    qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
-                    KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST, FP8_STAGED)
-                n0 += BLOCK_N
+        q_row = Q + grow[:, None] * D_QK
+        if KV_FMT == 2:
+            even_n = 2 * tl.arange(0, D_NOPE // 2)
+            even_r = D_NOPE + 2 * tl.arange(0, D_ROPE // 2)
+            qm = row_ok[:, None]
+            qe = _mma_operand(tl.load(q_row + even_n[None, :], mask=qm, other=0.0), 0, UPCAST)
+            qo = _mma_operand(tl.load(q_row + 1 + even_n[None, :], mask=qm, other=0.0), 0,
+                              UPCAST)
+            qre = _mma_operand(tl.load(q_row + even_r[None, :], mask=qm, other=0.0), 0, UPCAST)
+            qro = _mma_operand(tl.load(q_row + 1 + even_r[None, :], mask=qm, other=0.0), 0,
+                               UPCAST)
+            acc_e = tl.zeros([BLOCK_M, D_NOPE // 2], tl.float32)
+            acc_o = tl.zeros([BLOCK_M, D_NOPE // 2], tl.float32)
+            if UPCAST:
+                # The interpreter cannot take loaded scalars as range() bounds (numpy >= 2).
+                n0 = lo
+                while n0 < hi:
+                    m_i, l_i, acc_e, acc_o = _attend_tile_mxfp4(
+                        KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0,
+                        hi, qe, qo, qre, qro, row_scale, limit, m_i, l_i, acc_e, acc_o, fast,
+                        BLOCK_N, PAGED, UPCAST, NV_ASM)
+                    n0 += BLOCK_N
+            else:
+                for n0 in range(lo, hi, BLOCK_N):
+                    m_i, l_i, acc_e, acc_o = _attend_tile_mxfp4(
+                        KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0,
+                        hi, qe, qo, qre, qro, row_scale, limit, m_i, l_i, acc_e, acc_o, fast,
+                        BLOCK_N, PAGED, UPCAST, NV_ASM)
+            # Back to natural dimension order: d = 2 * i + parity.
+            acc = tl.reshape(tl.join(acc_e, acc_o), [BLOCK_M, D_NOPE])
         else:
-            for n0 in range(lo, hi, BLOCK_N):
-                m_i, l_i, acc = _attend_tile(
-                    KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
-                    qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
-                    KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST, FP8_STAGED)
+            qn = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            qr = tl.load(q_row + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+            if KV_FMT == 1:
+                kv_scale = tl.load(KV_SCALE)
+                row_scale = row_scale * kv_scale
+                out_scale = out_scale * kv_scale
+            if COMPUTE == 2:
+                amax = tl.maximum(tl.max(tl.abs(qn.to(tl.float32)), 1),
+                                  tl.max(tl.abs(qr.to(tl.float32)), 1))
+                q_sc = tl.maximum(amax, 1e-12) / FP8_MAX
+                qn = qn.to(tl.float32) / q_sc[:, None]
+                qr = qr.to(tl.float32) / q_sc[:, None]
+                row_scale = row_scale * q_sc
+            qnT = tl.trans(_mma_operand(qn, COMPUTE, UPCAST))
+            qrT = tl.trans(_mma_operand(qr, COMPUTE, UPCAST))
+            # fp8 P: p <= 1 (<= 2**LAZY_TAU when lazy); a power-of-two gain uses e4m3's range.
+            p_gain = tl.where(fast != 0, 1.0, 256.0)
+            if COMPUTE == 2:
+                out_scale = out_scale / p_gain
+            acc = tl.zeros([D_NOPE, BLOCK_M], tl.float32)
+            if UPCAST:
+                n0 = lo
+                while n0 < hi:
+                    m_i, l_i, acc = _attend_tile(
+                        KV, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
+                        qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
+                        KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST, FP8_STAGED)
+                    n0 += BLOCK_N
+            else:
+                for n0 in range(lo, hi, BLOCK_N):
+                    m_i, l_i, acc = _attend_tile(
+                        KV, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
+                        qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
+                        KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST, FP8_STAGED)
 
-        out_scale = tl.full([BLOCK_M], 1.0, tl.float32)
-        if KV_FMT == 1:
-            out_scale = out_scale * kv_scale
-        if COMPUTE == 2:
-            out_scale = out_scale / p_gain
         l_safe = tl.where(l_i > 0, l_i, 1.0)
-        o = tl.trans(acc * (out_scale / l_safe)[None, :])
+        if KV_FMT == 2:
+            o = acc * (out_scale / l_safe)[:, None]
+        else:
+            o = tl.trans(acc * (out_scale / l_safe)[None, :])
         if n_act == 1:
             tl.store(OUT + grow[:, None] * D_NOPE + offs_d[None, :],
                      o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
@@ -330,17 +466,19 @@ def mla_decode_kernel(
                 done = tl.atomic_add(COUNTERS + cidx, 1, sem="acq_rel", scope="gpu")
                 if done == n_act - 1:
                     _merge_splits(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows,
-                                  BLOCK_M)
+                                  0, BLOCK_M, D_NOPE, 1)
                     tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["total_rows", "n_splits"])
 def mla_merge_kernel(QO_INDPTR, KV_INDPTR, PART_O, PART_LSE, OUT, H, total_rows, n_splits,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Second-launch merge, grid (row blocks, batch); sequences with one split were
-    written directly by the split kernel."""
+    """Second-launch merge, grid (row blocks, batch, MERGE_CHUNKS): each program merges one
+    slice of the output dims, so a sequence's partials are read by MERGE_CHUNKS programs
+    at once. Sequences with one split were written directly by the split kernel."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
+    d0 = tl.program_id(2) * (D_NOPE // MERGE_CHUNKS)
     q_start = tl.load(QO_INDPTR + b)
     rows = (tl.load(QO_INDPTR + b + 1) - q_start) * H
     _, _, _, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
@@ -349,7 +487,8 @@ def mla_merge_kernel(QO_INDPTR, KV_INDPTR, PART_O, PART_LSE, OUT, H, total_rows,
         offs_m = r0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < rows
         grow = (q_start * H + offs_m).to(tl.int64)
-        _merge_splits(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows, BLOCK_M)
+        _merge_splits(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows, d0, BLOCK_M,
+                      D_NOPE // MERGE_CHUNKS, 4)
 
 
 @dataclass(frozen=True)
@@ -366,39 +505,50 @@ class KernelConfig:
     page_size: int = 1
     fast_mode: bool = False
     fp8_convert: str = "staged"
-
-    def constexprs(self, paged: bool, upcast: bool) -> dict[str, int | bool]:
-        """The constexpr arguments that define the compiled split kernel."""
+    def constexprs(self, paged: bool, upcast: bool, nvidia: bool) -> dict[str, int | bool]:
+        """The constexpr arguments that define the compiled split kernel. `nvidia`: the
+        target takes NVIDIA PTX inline assembly (never under the interpreter)."""
         return {
             "KV_FMT": FORMATS[self.kv_format], "COMPUTE": COMPUTES[self.compute],
             "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "PAGED": paged,
             "UPCAST": upcast, "FP8_STAGED": self.fp8_convert == "staged",
+            "NV_ASM": nvidia and not upcast,
         }
 
 
 _KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8}
 
 
-def kernel_launches(cfg: KernelConfig, *, heads: int, paged: bool, merge: bool,
+def kernel_launches(cfg: KernelConfig, *, heads: int, paged: bool, merge: bool, target: str,
                     sc_stride: int = 0, upcast: bool = False) -> list[tuple[Any, tuple, dict]]:
-    """The kernels a launcher of `cfg` compiles, as (kernel, args, kwargs) for `warmup`:
-    pointers as dtypes, integers with values of the same specialization as a real launch
-    (`H` is specialized on divisibility by 16; the other integers are not specialized).
-    `merge` adds the second-launch merge kernel. Launcher and compile-ahead both build from
-    this, so a kernel compiled ahead is the one the launcher finds in Triton's cache."""
+    """The kernels a launcher of `cfg` compiles for `target` ('cuda:90', 'hip:gfx950', ...),
+    as (kernel, args, kwargs) for `warmup`: pointers as dtypes, integers with values of the
+    same specialization as a real launch (`H` is specialized on divisibility by 16; the
+    other integers are not specialized). `merge` adds the second-launch merge kernel.
+    Launcher and compile-ahead both build from this, so a kernel compiled ahead is the one
+    the launcher finds in Triton's cache."""
     kv = _KV_DTYPES[cfg.kv_format]
     f32, i32 = torch.float32, torch.int32
     split_args = (torch.bfloat16, kv, f32, torch.uint8, sc_stride, i32, i32, i32, i32,
                   0, torch.bfloat16, f32, f32, i32, heads, 1, 1, 1.0, int(cfg.fast_mode))
     launches = [(mla_decode_kernel, split_args,
-                 dict(cfg.constexprs(paged, upcast), num_warps=cfg.num_warps,
-                      num_stages=cfg.num_stages))]
+                 dict(cfg.constexprs(paged, upcast, target.startswith("cuda")),
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages))]
     if merge:
         merge_args = (i32, i32, f32, f32, torch.bfloat16, heads, 1, 1)
         launches.append((mla_merge_kernel, merge_args,
                          dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=4,
                               num_stages=1)))
     return launches
+
+
+def device_target(device: torch.device) -> str:
+    """The compile target family of `device` as kernel_launches takes it: 'cuda', 'hip'
+    (torch's ROCm build also calls its devices 'cuda'), or the device type (the
+    interpreter's 'cpu')."""
+    if device.type != "cuda":
+        return device.type
+    return "hip" if torch.version.hip else "cuda"
 
 
 def interpreting() -> bool:
@@ -478,9 +628,11 @@ class MlaDecodeLauncher:
         self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)
         self.dummy_u8 = torch.zeros(1, dtype=torch.uint8, device=device)
         self.grid = (self.row_blocks, self.n_splits, self.batch)
-        self.merge_grid = (self.row_blocks, self.batch, 1)
+        self.merge_grid = (self.row_blocks, self.batch, MERGE_CHUNKS.value)
         self.qk_scale = float(sm_scale) * LOG2E
-        self.constexprs = cfg.constexprs(self.paged, self.upcast)
+        self.target = device_target(device)
+        self.constexprs = cfg.constexprs(self.paged, self.upcast,
+                                         self.target.startswith("cuda"))
         self.separate_merge = self.n_splits > 1 and not cfg.fast_mode
         self.device = device
         self._raw: tuple | None = None
@@ -517,7 +669,8 @@ class MlaDecodeLauncher:
 
         compiled = [fn.warmup(*args, grid=self.grid, **kwargs) for fn, args, kwargs
                     in kernel_launches(self.cfg, heads=self.heads, paged=self.paged,
-                                       merge=self.separate_merge, sc_stride=sc_stride)]
+                                       merge=self.separate_merge, target=self.target,
+                                       sc_stride=sc_stride)]
         # Launch hooks (profilers; torch may install one) are not called on this path: with
         # them, Triton's own path cost ~27 us of host time per call on the H200 machine.
         self.hooks_bypassed = knobs.runtime.launch_enter_hook is not None

@@ -161,7 +161,7 @@ def compile_variant(cfg: md.KernelConfig, target: str, use_cache: bool = True,
     if use_cache and (cached := _read_cache(path, target)) is not None:
         return cached
     fn, args, kwargs = md.kernel_launches(cfg, heads=heads, paged=cfg.page_size > 1,
-                                          merge=False)[0]
+                                          merge=False, target=target)[0]
     t0 = time.time()
     try:
         k = jit_compile(fn, target, args, kwargs)
@@ -189,7 +189,7 @@ def compile_ahead(cfg: md.KernelConfig, target: str, heads: int = 16) -> str | N
     it compiles cleanly). For a sweep's compile stage: GPU workers then only load."""
     problem = compile_variant(cfg, target, heads=heads).problem()
     for fn, args, kwargs in md.kernel_launches(cfg, heads=heads, paged=cfg.page_size > 1,
-                                               merge=True):
+                                               merge=True, target=target):
         if problem is None:
             jit_compile(fn, target, args, kwargs)  # a cache hit when just checked
     return problem
