@@ -10,7 +10,9 @@ Formats (KV_FMT): bf16; fp8 e4m3 with a per-tensor scale; MXFP4 (E2M1 nibbles, e
 in the low nibble, E8M0 scale byte per 32 elements, scale rows read with their own stride).
 Compute paths (COMPUTE): what operands reach the matrix units. bf16/fp16 convert the KV
 tile; fp8 quantizes each Q row to e4m3 (scale folded into the softmax scale) and P to e4m3
-(power-of-two scale folded into the normalizer), so e4m3 KV feeds the MMA unconverted.
+(power-of-two scale folded into the normalizer), so e4m3 KV feeds the MMA unconverted;
+fp8qk does QK^T that way but P V on fp16 (e4m3 MMAs take K-major operands only, and V's
+contraction runs over tokens, across the stored rows).
 
 Split-KV: sequence b's keys are cut into at most `n_splits` chunks (multiples of BLOCK_N).
 Splits write a normalized partial output and its log2-sum-exp; a merge combines them,
@@ -32,9 +34,9 @@ import triton
 import triton.language as tl
 
 FMT_BF16, FMT_FP8, FMT_MXFP4 = 0, 1, 2
-CMP_BF16, CMP_FP16, CMP_FP8 = 0, 1, 2
+CMP_BF16, CMP_FP16, CMP_FP8, CMP_FP8QK = 0, 1, 2, 3
 FORMATS = {"bf16": FMT_BF16, "fp8": FMT_FP8, "mxfp4": FMT_MXFP4}
-COMPUTES = {"bf16": CMP_BF16, "fp16": CMP_FP16, "fp8": CMP_FP8}
+COMPUTES = {"bf16": CMP_BF16, "fp16": CMP_FP16, "fp8": CMP_FP8, "fp8qk": CMP_FP8QK}
 
 D_NOPE = tl.constexpr(512)
 D_ROPE = tl.constexpr(64)
@@ -258,7 +260,18 @@ def _attend_tile(KV, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi
     offs_n, n_ok, phys = _tile_rows(PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
                                     BLOCK_N, PAGED)
     kn_raw, kr_raw = _load_kv_tile(KV, phys, n_ok)
-    if (KV_FMT == 1) and (COMPUTE != 2) and STAGED:
+    if COMPUTE == 3:
+        # e4m3 QK^T on the tile as stored; only the values are converted, to fp16.
+        kn = _mma_operand(kn_raw, 2, UPCAST)
+        kr = _mma_operand(kr_raw, 2, UPCAST)
+        if STAGED:
+            if sc_stride >= 0:  # see "staged" below
+                kv = _mma_operand(kn_raw, 1, UPCAST)
+            else:
+                kv = _mma_operand(kn_raw, 1, UPCAST)
+        else:
+            kv = _mma_operand(kn_raw, 1, UPCAST)
+    elif (KV_FMT == 1) and (COMPUTE != 2) and STAGED:
         # fp8 KV converted for 16-bit MMAs, "staged": converting inside a branch the
         # compiler cannot fold (a row stride is never negative) makes it convert the tile
         # once, in the layout it was loaded in, and stage the converted tile through shared
@@ -272,9 +285,11 @@ def _attend_tile(KV, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi
         else:
             kn = _mma_operand(kn_raw, COMPUTE, UPCAST)
             kr = _mma_operand(kr_raw, COMPUTE, UPCAST)
+        kv = kn
     else:
         kn = _mma_operand(kn_raw, COMPUTE, UPCAST)
         kr = _mma_operand(kr_raw, COMPUTE, UPCAST)
+        kv = kn
     # Transposed products (keys and value dims as the MMA's M side, query rows as N): the
     # KV tile is the A operand straight from shared memory, and a handful of query rows
     # only set N, so the accumulator stays small and Hopper can use wgmma.
@@ -294,7 +309,7 @@ def _attend_tile(KV, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi
     l_i += tl.sum(p, 0)
     if COMPUTE == 2:
         p = p * p_gain
-    acc = tl.dot(tl.trans(kn), _mma_operand(p, COMPUTE, UPCAST), acc)
+    acc = tl.dot(tl.trans(kv), _mma_operand(p, 1 if COMPUTE == 3 else COMPUTE, UPCAST), acc)
     return m_i, l_i, acc
 
 
@@ -310,7 +325,9 @@ def _attend_tile_mxfp4(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_
 
     Query rows are the M side of both products and the decoded tile is the B operand of
     both (transposed for QK^T), so the tile is written to shared memory once, in the layout
-    it was decoded in, and read from there by both."""
+    it was decoded in, and read from there by both. (Decoding it per MMA operand instead,
+    with keys as M, holds the decoded A operands in registers: 40-776 bytes of spills on
+    sm_90 at 32-64 keys.)"""
     offs_n, n_ok, phys = _tile_rows(PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
                                     BLOCK_N, PAGED)
     ke, ko, kre, kro = _load_mxfp4_tile(KV, KV_SC, sc_stride, phys, n_ok, NV_ASM)
@@ -418,7 +435,7 @@ def mla_decode_kernel(
                 kv_scale = tl.load(KV_SCALE)
                 row_scale = row_scale * kv_scale
                 out_scale = out_scale * kv_scale
-            if COMPUTE == 2:
+            if COMPUTE >= 2:
                 amax = tl.maximum(tl.max(tl.abs(qn.to(tl.float32)), 1),
                                   tl.max(tl.abs(qr.to(tl.float32)), 1))
                 q_sc = tl.maximum(amax, 1e-12) / FP8_MAX

@@ -22,7 +22,7 @@ _KERNEL_DIR = Path(__file__).resolve().parent.parent.parent / "kernels" / "trito
 
 _COMPUTE_BY_FORMAT = {
     KVFormat.BF16: ("bf16",),
-    KVFormat.FP8: ("bf16", "fp16", "fp8"),
+    KVFormat.FP8: ("bf16", "fp16", "fp8", "fp8qk"),
     KVFormat.MXFP4: ("bf16",),
 }
 """Compute paths that make sense per KV format (bf16 KV is not re-quantized; MXFP4 blocks
@@ -104,6 +104,7 @@ class TritonFamily(Backend):
             return False  # half the rows or more would be padding
         if shape.page_size > 1 and int(config["page_size"]) != 1:
             return False  # paged shapes use their own page size; avoid duplicate points
+        # fp8 KV converted for the MMAs (fp8qk converts the values, to fp16).
         converts_fp8 = shape.kv_format is KVFormat.FP8 and str(config["compute"]) != "fp8"
         if not converts_fp8 and str(config.get("fp8_convert", "staged")) != "staged":
             return False  # the knob only exists for fp8 KV on 16-bit MMAs

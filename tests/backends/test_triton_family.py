@@ -13,8 +13,10 @@ def _converts(fmt: KVFormat) -> set[tuple[str, str]]:
 
 
 def test_fp8_conversion_mode_is_a_knob_only_for_fp8_on_16_bit_mmas():
+    # fp8qk converts the values (P V on fp16), so it has both modes; fp8 converts nothing.
     assert _converts(KVFormat.FP8) == {("bf16", "staged"), ("bf16", "operand"),
                                        ("fp16", "staged"), ("fp16", "operand"),
+                                       ("fp8qk", "staged"), ("fp8qk", "operand"),
                                        ("fp8", "staged")}
     assert _converts(KVFormat.BF16) == {("bf16", "staged")}
     assert _converts(KVFormat.MXFP4) == {("bf16", "staged")}

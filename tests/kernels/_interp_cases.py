@@ -34,6 +34,8 @@ CASES: dict[str, tuple[dict, dict]] = {
     "fp8_fp16_operand": (dict(kv_lens=(60, 128), fmt="fp8"),
                          dict(compute="fp16", num_splits=2, fp8_convert="operand")),
     "fp8_fp8": (dict(kv_lens=(60, 128), fmt="fp8"), dict(compute="fp8", num_splits=2)),
+    "fp8_fp8qk_fused_q4": (dict(kv_lens=(60, 31), q_len=4, fmt="fp8"),
+                           dict(compute="fp8qk", num_splits=2, fast_mode=True)),
     "fp8_fp8_fast_q4": (dict(kv_lens=(60, 31), q_len=4, fmt="fp8"),
                         dict(compute="fp8", num_splits=2, fast_mode=True)),
     "mxfp4_h32": (dict(kv_lens=(77, 128), heads=32, fmt="mxfp4"), dict(num_splits=2)),
