@@ -43,8 +43,8 @@ D_ROPE = tl.constexpr(64)
 D_QK = tl.constexpr(576)
 LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(448.0)
-MERGE_CHUNKS = tl.constexpr(8)
-"""Programs per (row block, sequence) in the second-launch merge, each on 512/8 dims."""
+MERGE_CHUNKS = tl.constexpr(16)
+"""Programs per (row block, sequence) in the second-launch merge, each on 512/16 dims."""
 LAZY_TAU = tl.constexpr(8.0)
 """Lazy rescaling skips the accumulator rescale until a row max grows by more than this
 (log2 units): probabilities then stay below 2**8, safe in bf16/fp16 and in e4m3."""
@@ -194,30 +194,58 @@ def _round_e4m3(x):
 
 
 @triton.jit
-def _merge_splits(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows, d0,
-                  BLOCK_M: tl.constexpr, D_CHUNK: tl.constexpr, UNROLL: tl.constexpr):
-    """Combine `n_act` normalized partials of rows `grow`, dims [d0, d0 + D_CHUNK), by
-    their log2-sum-exp. UNROLL partials per step: their loads are independent, so they
-    are in flight together (a merge is a chain of cache round trips otherwise)."""
+def _merge_splits(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows,
+                  BLOCK_M: tl.constexpr):
+    """Combine `n_act` normalized partials of rows `grow` by their log2-sum-exp, one
+    partial at a time (the fused merge: a whole [BLOCK_M, 512] partial per step)."""
+    offs_d = tl.arange(0, D_NOPE)
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    wsum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_NOPE], tl.float32)
+    s = 0
+    while s < n_act:  # a while loop: the interpreter cannot range() over a loaded bound
+        prow = s * total_rows + grow
+        lse = tl.load(PART_LSE + prow, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(PART_O + prow[:, None] * D_NOPE + offs_d[None, :], mask=row_ok[:, None],
+                    other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + w[:, None] * o
+        wsum = wsum * alpha + w
+        m = m_new
+        s += 1
+    wsum = tl.where(wsum > 0, wsum, 1.0)
+    out = acc / wsum[:, None]
+    tl.store(OUT + grow[:, None] * D_NOPE + offs_d[None, :], out.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_split_blocks(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows, d0,
+                        BLOCK_M: tl.constexpr, D_CHUNK: tl.constexpr, S_BLOCK: tl.constexpr):
+    """Combine `n_act` partials of rows `grow`, dims [d0, d0 + D_CHUNK), S_BLOCK partials
+    per step in one load each of their LSEs and outputs: a merge of up to S_BLOCK splits
+    is one round trip to the cache, not one per split."""
     offs_d = d0 + tl.arange(0, D_CHUNK)
+    offs_s = tl.arange(0, S_BLOCK)
     m = tl.full([BLOCK_M], -1.0e30, tl.float32)
     wsum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_CHUNK], tl.float32)
-    s = 0
-    while s < n_act:  # a while loop: the interpreter cannot range() over a loaded bound
-        for k in tl.static_range(UNROLL):
-            ok = row_ok & (s + k < n_act)
-            prow = (s + k) * total_rows + grow
-            lse = tl.load(PART_LSE + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            o = tl.load(PART_O + prow[:, None] * D_NOPE + offs_d[None, :], mask=ok[:, None],
-                        other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m, lse)
-            alpha = tl.exp2(m - m_new)
-            w = tl.exp2(lse - m_new)
-            acc = acc * alpha[:, None] + w[:, None] * o
-            wsum = wsum * alpha + w
-            m = m_new
-        s += UNROLL
+    s0 = 0
+    while s0 < n_act:  # a while loop: the interpreter cannot range() over a loaded bound
+        ok = ((s0 + offs_s) < n_act)[:, None] & row_ok[None, :]
+        prow = (s0 + offs_s)[:, None] * total_rows + grow[None, :]  # [S_BLOCK, BLOCK_M]
+        lse = tl.load(PART_LSE + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(PART_O + prow[:, :, None] * D_NOPE + offs_d[None, None, :],
+                    mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new[None, :])
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
+        wsum = wsum * alpha + tl.sum(w, 0)
+        m = m_new
+        s0 += S_BLOCK
     wsum = tl.where(wsum > 0, wsum, 1.0)
     out = acc / wsum[:, None]
     tl.store(OUT + grow[:, None] * D_NOPE + offs_d[None, :], out.to(OUT.dtype.element_ty),
@@ -483,7 +511,7 @@ def mla_decode_kernel(
                 done = tl.atomic_add(COUNTERS + cidx, 1, sem="acq_rel", scope="gpu")
                 if done == n_act - 1:
                     _merge_splits(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows,
-                                  0, BLOCK_M, D_NOPE, 1)
+                                  BLOCK_M)
                     tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", scope="gpu")
 
 
@@ -491,8 +519,9 @@ def mla_decode_kernel(
 def mla_merge_kernel(QO_INDPTR, KV_INDPTR, PART_O, PART_LSE, OUT, H, total_rows, n_splits,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Second-launch merge, grid (row blocks, batch, MERGE_CHUNKS): each program merges one
-    slice of the output dims, so a sequence's partials are read by MERGE_CHUNKS programs
-    at once. Sequences with one split were written directly by the split kernel."""
+    slice of the output dims, 16 splits per load, so a sequence's partials are read by
+    MERGE_CHUNKS programs at once in one or a few round trips. Sequences with one split
+    were written directly by the split kernel."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     d0 = tl.program_id(2) * (D_NOPE // MERGE_CHUNKS)
@@ -504,8 +533,8 @@ def mla_merge_kernel(QO_INDPTR, KV_INDPTR, PART_O, PART_LSE, OUT, H, total_rows,
         offs_m = r0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < rows
         grow = (q_start * H + offs_m).to(tl.int64)
-        _merge_splits(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows, d0, BLOCK_M,
-                      D_NOPE // MERGE_CHUNKS, 4)
+        _merge_split_blocks(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows, d0,
+                            BLOCK_M, D_NOPE // MERGE_CHUNKS, 16)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ CASES: dict[str, tuple[dict, dict]] = {
     "bf16_ragged_1split": (dict(kv_lens=(37, 128, 5)), dict(num_splits=1)),
     "bf16_ragged_3split_merge": (dict(kv_lens=(37, 128, 5)), dict(num_splits=3)),
     "bf16_ragged_3split_fused": (dict(kv_lens=(37, 128, 5)), dict(num_splits=3, fast_mode=True)),
+    # 19 active splits in the long sequence: the second-launch merge takes 16 per load.
+    "bf16_19split_merge": (dict(kv_lens=(600, 40)), dict(num_splits=19)),
     "bf16_q4_causal_h32_bm64": (dict(kv_lens=(70, 9), q_len=4, heads=32),
                                 dict(block_m=64, num_warps=8, num_splits=2, fast_mode=True)),
     "bf16_q4_causal_h16_bm16": (dict(kv_lens=(64, 23), q_len=4), dict(num_splits=2)),
