@@ -363,7 +363,7 @@ def _print_report(rows: Sequence[Any], suite: Sequence[Shape] | None) -> None:
     for r in rows:
         c = r.counts
         table.add_row(
-            r.device, r.shape.label(), r.backend, json.dumps(r.config, sort_keys=True),
+            r.device, r.shape.label(), r.winner_label, json.dumps(r.config, sort_keys=True),
             f"{r.median_us:.1f}", f"{r.ci95_us:.1f}" if r.ci95_us is not None else "-",
             f"{r.eff_gbps:.0f}", f"{r.pct_of_read_bw:.0f}%" if r.pct_of_read_bw else "-",
             f"{r.baseline_backend} {r.baseline_us:.1f}" if r.baseline_us else "-",
@@ -372,14 +372,18 @@ def _print_report(rows: Sequence[Any], suite: Sequence[Shape] | None) -> None:
             f"{c.get('ok', 0)}/{c.get('wrong', 0)}/{c.get('failed', 0)}/{c.get('timeout', 0)}")
     out.print(table)
     for s in suite_summaries(rows, suite):
+        where = f"{s.kv_format} on {s.device} (stack {s.software_hash[:8]})"
         if s.geomean_us is None:
+            if s.superseded:
+                out.print(f"geometric mean {where}: no current winners ({s.superseded} "
+                          "superseded winners left out)", highlight=False)
             continue
         extra = "".join(f", {v:.2f}x vs {name}" for name, v in
                         (("baseline", s.speedup_vs_baseline), ("torch", s.speedup_vs_torch)) if v)
         missing = f" ({s.missing} suite shapes missing)" if s.missing else ""
-        out.print(f"geometric mean {s.kv_format} on {s.device} (stack {s.software_hash[:8]}): "
-                  f"{s.geomean_us:.1f} µs over {s.shapes} shapes{extra}{missing}",
-                  highlight=False)
+        stale = f" ({s.superseded} superseded winners left out)" if s.superseded else ""
+        out.print(f"geometric mean {where}: {s.geomean_us:.1f} µs over {s.shapes} shapes"
+                  f"{extra}{missing}{stale}", highlight=False)
 
 
 @app.command()

@@ -116,6 +116,9 @@ class ReportRow:
     software_hash: str = ""
     updated_at: datetime | None = None
     trials: tuple[TrialRow, ...] = field(default=(), repr=False, compare=False)
+    superseded: bool = False
+    """Its backend's kernel sources have been measured in a newer version since: the
+    winner describes code that no longer runs (the dispatcher ignores it)."""
 
     @property
     def speedup_vs_baseline(self) -> float | None:
@@ -147,7 +150,13 @@ class ReportRow:
             "baseline_us": self.baseline_us, "speedup_vs_baseline": self.speedup_vs_baseline,
             "torch_us": self.torch_us, "speedup_vs_torch": self.speedup_vs_torch,
             "trials": self.counts, "knob_spread": self.knob_spread,
+            "superseded": self.superseded,
         }
+
+    @property
+    def winner_label(self) -> str:
+        """The winning backend, marked when its sources are superseded."""
+        return f"{self.backend} (superseded)" if self.superseded else self.backend
 
 
 def geomean(values: Iterable[float | None]) -> float | None:
@@ -167,7 +176,7 @@ def _best(trials: list[TrialRow], backends: Iterable[str]) -> tuple[str | None, 
     return best
 
 
-def _row(w: WinnerRow, trials: list[TrialRow]) -> ReportRow:
+def _row(w: WinnerRow, trials: list[TrialRow], superseded: bool) -> ReportRow:
     """The report row of winner `w`, from the trials of its tuning key (oldest first)."""
     shape = Shape.from_json(w.shape_json)
     ok = [t for t in trials if t.status == "ok"]
@@ -186,7 +195,8 @@ def _row(w: WinnerRow, trials: list[TrialRow]) -> ReportRow:
         baseline_backend=base_backend, baseline_us=base_us, torch_us=torch_us,
         counts=dict(Counter(t.status for t in trials)),
         mean_us=win.mean_us if win else None, device_hash=w.device.hash,
-        software_hash=w.software.hash, updated_at=w.updated_at, trials=tuple(trials))
+        software_hash=w.software.hash, updated_at=w.updated_at, trials=tuple(trials),
+        superseded=superseded)
 
 
 def report_rows(store: TuningStore, shape_key: str | None = None, *,
@@ -201,10 +211,15 @@ def report_rows(store: TuningStore, shape_key: str | None = None, *,
     # One query for all trials, grouped by tuning key (a query per winner was slow on
     # PostgreSQL over a network).
     by_key: dict[tuple[int, int, str], list[TrialRow]] = defaultdict(list)
+    newest: dict[str, tuple[int, str]] = {}
     if winners:
         for t in store.trials(shape_key=shape_key):
             by_key[t.device_id, t.software_id, t.shape_key].append(t)
-    rows = [_row(w, by_key[w.device_id, w.software_id, w.shape_key]) for w in winners]
+            if t.backend not in newest or t.id > newest[t.backend][0]:
+                newest[t.backend] = (t.id, t.source_hash)
+    rows = [_row(w, by_key[w.device_id, w.software_id, w.shape_key],
+                 superseded=w.source_hash != newest.get(w.backend, (0, w.source_hash))[1])
+            for w in winners]
     rows.sort(key=lambda r: (r.device, r.software_hash, r.shape.kv_format.value, r.shape.q_len,
                              r.shape.heads, r.shape.kv_len, r.shape.batch))
     return rows
@@ -229,19 +244,23 @@ class SuiteSummary:
     geomean_us: float | None
     speedup_vs_baseline: float | None
     speedup_vs_torch: float | None
+    superseded: int = 0
+    """Winners of this group left out because their kernel sources are superseded."""
 
     def to_json(self) -> dict[str, Any]:
         return {"device": self.device, "software_hash": self.software_hash,
                 "kv_format": self.kv_format, "shapes": self.shapes, "missing": self.missing,
                 "geomean_us": self.geomean_us, "speedup_vs_baseline": self.speedup_vs_baseline,
-                "speedup_vs_torch": self.speedup_vs_torch}
+                "speedup_vs_torch": self.speedup_vs_torch, "superseded": self.superseded}
 
 
 def suite_summaries(rows: Sequence[ReportRow],
                     suite: Sequence[Shape] | None = None) -> list[SuiteSummary]:
     """Geomeans per (device, stack, KV format), plus an all-formats line where a group spans
     several formats. With `suite`, `missing` counts the suite's sizes with no winner in that
-    format, since a geomean over part of a suite is not comparable with a full one."""
+    format, since a geomean over part of a suite is not comparable with a full one.
+    Superseded winners are left out (counted in `superseded`): they time code that no
+    longer runs."""
     sizes = {s.with_format(KVFormat.BF16).key for s in suite} if suite is not None else None
     groups: dict[tuple[str, str], list[ReportRow]] = defaultdict(list)
     for r in rows:
@@ -253,7 +272,8 @@ def suite_summaries(rows: Sequence[ReportRow],
             by_format[r.shape.kv_format.value].append(r)
         if len(by_format) > 1:
             by_format[ALL_FORMATS] = group
-        for fmt, rs in by_format.items():
+        for fmt, all_rs in by_format.items():
+            rs = [r for r in all_rs if not r.superseded]
             missing = None
             if sizes is not None:
                 expected = len(sizes) * (len(by_format) - 1 if fmt == ALL_FORMATS else 1)
@@ -262,5 +282,6 @@ def suite_summaries(rows: Sequence[ReportRow],
                 device=device, software_hash=sw, kv_format=fmt, shapes=len(rs),
                 missing=missing, geomean_us=geomean(r.median_us for r in rs),
                 speedup_vs_baseline=geomean(r.speedup_vs_baseline for r in rs),
-                speedup_vs_torch=geomean(r.speedup_vs_torch for r in rs)))
+                speedup_vs_torch=geomean(r.speedup_vs_torch for r in rs),
+                superseded=len(all_rs) - len(rs)))
     return out

@@ -95,7 +95,9 @@ def _group_tag(row: ReportRow, multi: bool) -> str:
 def roofline_figures(rows: Sequence[ReportRow],
                      read_bw: dict[str, float | None]) -> list[Figure]:
     """Per device: achieved bandwidth of each winner (filled) and of its baseline (hollow)
-    against the KV bytes the shape must read, per KV format, under the measured ceiling."""
+    against the KV bytes the shape must read, per KV format, under the measured ceiling.
+    Superseded winners are left out: they time code that no longer runs."""
+    rows = [r for r in rows if not r.superseded]
     devices = list(dict.fromkeys(r.device_hash for r in rows))
     figures = []
     for dev in devices:
@@ -435,7 +437,7 @@ def _winner_table(rows: Sequence[ReportRow], multi: bool) -> str:
         base = f"{_esc(r.baseline_backend or '')} {r.baseline_us:.1f}" if r.baseline_us else "-"
         body.append([
             _esc(r.device), *([f"<code>{r.software_hash[:8]}</code>"] if multi else []),
-            _esc(r.shape.label()), _esc(r.backend),
+            _esc(r.shape.label()), _esc(r.winner_label),
             f"<code>{_esc(json.dumps(r.config, sort_keys=True))}</code>",
             f"{r.median_us:.1f}", _num(r.ci95_us, ".2f"), f"{r.eff_gbps:.0f}",
             _num(r.pct_of_read_bw, ".1f", "%"), base, _num(r.speedup_vs_baseline, ".2f", "x"),
@@ -449,11 +451,11 @@ def _summary_table(rows: Sequence[ReportRow], suite: Sequence[Shape] | None) -> 
     body = [[_esc(s.device), f"<code>{s.software_hash[:8]}</code>", _esc(s.kv_format),
              str(s.shapes), "-" if s.missing is None else str(s.missing),
              _num(s.geomean_us, ".2f"), _num(s.speedup_vs_baseline, ".2f", "x"),
-             _num(s.speedup_vs_torch, ".2f", "x")]
+             _num(s.speedup_vs_torch, ".2f", "x"), str(s.superseded)]
             for s in suite_summaries(rows, suite)]
     return _table(["device", "stack", "kv format", "shapes", "missing from suite",
-                   "geomean µs", "geomean vs baseline", "geomean vs torch"], body,
-                  {3, 4, 5, 6, 7})
+                   "geomean µs", "geomean vs baseline", "geomean vs torch",
+                   "superseded (left out)"], body, {3, 4, 5, 6, 7, 8})
 
 
 def render_html(store: TuningStore, rows: Sequence[ReportRow],

@@ -100,6 +100,34 @@ def test_cli_report_suite_filter_and_geomean(store, tmp_path):
     assert r.exit_code == 2 and "unknown suite" in r.output
 
 
+def test_superseded_winners_are_marked_and_left_out_of_geomeans(store, tmp_path):
+    """A newer source of the winners' backend, measured anywhere in the DB, supersedes them:
+    they are marked in every output and left out of geomeans and the roofline."""
+    from mla_tune.report_html import render_html, roofline_figures
+
+    copy = copy_db(store, tmp_path / "superseded.db")
+    assert not any(r.superseded for r in report_rows(copy))
+    t = copy.trials(shape_key=SHAPES[0].key)[0]
+    copy.record_trial(device_id=t.device_id, software_id=t.software_id,
+                      shape_key=t.shape_key, shape_json=t.shape_json, kv_format=t.kv_format,
+                      backend=t.backend, source_hash="f" * 16, config=t.config, status="ok",
+                      stats={"median_us": 1.0})
+    rows = report_rows(copy)
+    assert len(rows) == len(SHAPES) and all(r.superseded for r in rows)
+    assert rows[0].winner_label == f"{rows[0].backend} (superseded)"
+    assert rows[0].to_json()["superseded"] is True
+    summaries = suite_summaries(rows)
+    assert {(s.kv_format, s.shapes, s.superseded, s.geomean_us) for s in summaries} == {
+        ("bf16", 0, 1, None), ("fp8", 0, 1, None), ("all", 0, 2, None)}
+    assert not roofline_figures(rows, {})
+    assert "(superseded)" in render_html(copy, rows)
+    db = copy.url.removeprefix("sqlite:///")
+    r = runner.invoke(app, ["report", "--db", db], env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    assert "(superseded)" in r.stdout and "µs over" not in r.stdout
+    assert "no current winners (1 superseded winners left out)" in r.stdout
+
+
 def test_read_bandwidth_is_none_on_cpu():
     assert measure_read_bandwidth("cpu") is None
 
