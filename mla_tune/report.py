@@ -55,15 +55,22 @@ def _knob_order(value: Any) -> tuple[int, float, str]:
     return (1, 0.0, json.dumps(value))
 
 
-def latest_source_trials(trials: Iterable[TrialRow]) -> list[TrialRow]:
-    """Per backend, only the trials of its most recently measured sources: timings of
-    sources that changed since describe code that no longer exists."""
-    trials = list(trials)
+def newest_sources(trials: Iterable[TrialRow]) -> dict[str, str]:
+    """Per backend, the source hash of its most recently measured trial: the sources that
+    are current as far as the DB knows (the report imports no kernels to ask)."""
     latest: dict[str, tuple[int, str]] = {}
     for t in trials:
         if t.backend not in latest or t.id > latest[t.backend][0]:
             latest[t.backend] = (t.id, t.source_hash)
-    return [t for t in trials if t.source_hash == latest[t.backend][1]]
+    return {b: h for b, (_, h) in latest.items()}
+
+
+def latest_source_trials(trials: Iterable[TrialRow]) -> list[TrialRow]:
+    """Per backend, only the trials of its most recently measured sources: timings of
+    sources that changed since describe code that no longer exists."""
+    trials = list(trials)
+    newest = newest_sources(trials)
+    return [t for t in trials if t.source_hash == newest[t.backend]]
 
 
 def best_by_knob(trials: Iterable[TrialRow], backend: str, knob: str) -> list[tuple[Any, float]]:
@@ -211,14 +218,12 @@ def report_rows(store: TuningStore, shape_key: str | None = None, *,
     # One query for all trials, grouped by tuning key (a query per winner was slow on
     # PostgreSQL over a network).
     by_key: dict[tuple[int, int, str], list[TrialRow]] = defaultdict(list)
-    newest: dict[str, tuple[int, str]] = {}
-    if winners:
-        for t in store.trials(shape_key=shape_key):
-            by_key[t.device_id, t.software_id, t.shape_key].append(t)
-            if t.backend not in newest or t.id > newest[t.backend][0]:
-                newest[t.backend] = (t.id, t.source_hash)
+    trials = store.trials(shape_key=shape_key) if winners else []
+    for t in trials:
+        by_key[t.device_id, t.software_id, t.shape_key].append(t)
+    newest = newest_sources(trials)
     rows = [_row(w, by_key[w.device_id, w.software_id, w.shape_key],
-                 superseded=w.source_hash != newest.get(w.backend, (0, w.source_hash))[1])
+                 superseded=w.source_hash != newest.get(w.backend, w.source_hash))
             for w in winners]
     rows.sort(key=lambda r: (r.device, r.software_hash, r.shape.kv_format.value, r.shape.q_len,
                              r.shape.heads, r.shape.kv_len, r.shape.batch))
