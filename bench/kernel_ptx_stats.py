@@ -24,9 +24,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from kernel_probe import parse_variant  # noqa: E402
 
-from kernels.triton import mla_decode as md  # noqa: E402
-from kernels.triton.precompile import jit_compile  # noqa: E402
-from kernels.triton.static_check import _cubin_usage  # noqa: E402
+from kernels.triton.static_check import compile_split, usage  # noqa: E402
 
 COUNTED = ("mma.sync", "wgmma.mma_async", "ldmatrix", "ld.shared", "st.shared.b16",
            "st.shared.b32", "st.shared.v2", "st.shared.v4", "cp.async.cg", "cp.async.ca",
@@ -51,17 +49,9 @@ def tile_loop(ptx: str) -> str:
     return "\n".join(lines[start:end])
 
 
-def compile_split(cfg: md.KernelConfig, heads: int):
-    """`cfg`'s split kernel compiled for sm_90, as a GPU launch with `heads` would be."""
-    fn, args, kwargs = md.kernel_launches(cfg, heads=heads, paged=cfg.page_size > 1,
-                                          merge=False, target="cuda:90",
-                                          sc_stride=24 if cfg.kv_format == "mxfp4" else 0)[0]
-    return jit_compile(fn, "cuda:90", args, kwargs)
-
-
 def stats(kernel) -> dict[str, int]:
     """Resources and tile-loop instruction counts (per thread) of a compiled kernel."""
-    regs, spills = _cubin_usage(kernel.asm["cubin"])
+    regs, spills = usage(kernel, "cuda:90")
     loop = tile_loop(kernel.asm["ptx"])
     out = {"regs": regs, "spill_bytes": spills, "smem": int(kernel.metadata.shared)}
     out.update({name: len(re.findall(re.escape(name), loop)) for name in COUNTED})
@@ -75,7 +65,7 @@ def main() -> None:
     ap.add_argument("--dump", type=Path, help="also write each variant's PTX and TTGIR here")
     a = ap.parse_args()
     for text in a.variants:
-        kernel = compile_split(parse_variant(text)[3], a.heads)
+        kernel = compile_split(parse_variant(text)[3], "cuda:90", a.heads)
         nonzero = " ".join(f"{k}={v}" for k, v in stats(kernel).items() if v)
         print(f"{text}\n    {nonzero}", flush=True)
         if a.dump:

@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from kernels.triton import mla_decode as md
 from kernels.triton.precompile import TARGETS, jit_compile
@@ -149,6 +150,22 @@ def _amdgcn_usage(asm: str) -> tuple[int, int]:
     return vgpr + agpr, spill
 
 
+def compile_split(cfg: md.KernelConfig, target: str, heads: int = 16) -> Any:
+    """The split kernel of `cfg` compiled for `target`, as a launch with `heads` query heads
+    compiles it (the entry of Triton's cache that launch loads)."""
+    fn, args, kwargs = md.kernel_launches(cfg, heads=heads, paged=cfg.page_size > 1,
+                                          merge=False, target=target)[0]
+    return jit_compile(fn, target, args, kwargs)
+
+
+def usage(kernel: Any, target: str) -> tuple[int, int]:
+    """(registers per thread, spills) of a kernel compiled for `target`: local-memory bytes
+    from the cubin on NVIDIA, the compiler's spill count on AMD."""
+    if target.startswith("cuda"):
+        return _cubin_usage(kernel.asm["cubin"])
+    return _amdgcn_usage(kernel.asm["amdgcn"])
+
+
 def compile_variant(cfg: md.KernelConfig, target: str, use_cache: bool = True,
                     heads: int = 16) -> CompileReport:
     """Cross-compile the split kernel of `cfg` for `target` ('cuda:90' or 'hip:gfx950'),
@@ -160,15 +177,10 @@ def compile_variant(cfg: md.KernelConfig, target: str, use_cache: bool = True,
     path = _cache_path(compiled_key(cfg, heads), target)
     if use_cache and (cached := _read_cache(path, target)) is not None:
         return cached
-    fn, args, kwargs = md.kernel_launches(cfg, heads=heads, paged=cfg.page_size > 1,
-                                          merge=False, target=target)[0]
     t0 = time.time()
     try:
-        k = jit_compile(fn, target, args, kwargs)
-        if target.startswith("cuda"):
-            regs, spills = _cubin_usage(k.asm["cubin"])
-        else:
-            regs, spills = _amdgcn_usage(k.asm["amdgcn"])
+        k = compile_split(cfg, target, heads)
+        regs, spills = usage(k, target)
         rep = CompileReport(target, True, regs, spills, int(k.metadata.shared),
                             seconds=round(time.time() - t0, 2))
     except Exception as e:  # a variant that does not compile is a result, not a crash

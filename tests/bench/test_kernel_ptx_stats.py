@@ -16,7 +16,7 @@ import kernel_ptx_stats as kps  # noqa: E402
 
 
 def _stats(text: str) -> dict[str, int]:
-    return kps.stats(kps.compile_split(kps.parse_variant(text)[3], heads=16))
+    return kps.stats(kps.compile_split(kps.parse_variant(text)[3], "cuda:90", heads=16))
 
 
 def test_bf16_at_32_keys_uses_mma_sync_for_qk_and_wgmma_for_pv() -> None:
