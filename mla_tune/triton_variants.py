@@ -17,7 +17,7 @@ import os
 
 from kernels.triton import mla_decode as md
 from kernels.triton import static_check
-from mla_tune.backends.triton_family import TritonFamily
+from mla_tune.backends.triton_family import TritonFamily, kernel_config
 from mla_tune.problem import KVFormat, Shape
 from mla_tune.space import load_backend_space
 
@@ -34,12 +34,7 @@ def default_variants() -> list[md.KernelConfig]:
             point = dict(point, num_splits=1)
             if not fam.feasible(shape, point):
                 continue
-            cfg = md.KernelConfig(kv_format=fmt.value, compute=str(point["compute"]),
-                                  block_m=int(point["block_m"]), block_n=int(point["block_n"]),
-                                  num_warps=int(point["num_warps"]),
-                                  num_stages=int(point["num_stages"]),
-                                  page_size=int(point["page_size"]),
-                                  fp8_convert=str(point["fp8_convert"]))
+            cfg = kernel_config(shape, point)
             seen.setdefault(static_check.variant_key(cfg), cfg)
     return list(seen.values())
 

@@ -14,10 +14,19 @@ tile; fp8 quantizes each Q row to e4m3 (scale folded into the softmax scale) and
 fp8qk does QK^T that way but P V on fp16 (e4m3 MMAs take K-major operands only, and V's
 contraction runs over tokens, across the stored rows).
 
+KV loads (TMA): bf16/fp8 tiles of the contiguous cache come either through pointers
+(masked loads, a cp.async ring on sm_90) or through tensor descriptors (the TMA unit on
+sm_90: a few bulk copies per tile instead of per-thread 16-byte copies). Each program's
+descriptors end where its split ends, so TMA fills the rows of a partial last tile with
+zeros instead of reading past the split (a zero times p = 0 is 0; a row of another
+sequence could hold anything, NaN included).
+
 Split-KV: sequence b's keys are cut into at most `n_splits` chunks (multiples of BLOCK_N).
 Splits write a normalized partial output and its log2-sum-exp; a merge combines them,
 either in a second launch or (fast mode) in the last split program to finish, found with an
-atomic counter that the merging program resets for the next call.
+atomic counter that the merging program resets for the next call. On NVIDIA the second
+launch may be a programmatic dependent launch (PDL): its programs start while the split
+kernel drains, read their bounds, and wait for its writes at `griddepcontrol.wait`.
 
 Causality: query j of a sequence with q_len queries and kv length L sees keys
 [0, L - q_len + j].
@@ -32,6 +41,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FMT_BF16, FMT_FP8, FMT_MXFP4 = 0, 1, 2
 CMP_BF16, CMP_FP16, CMP_FP8, CMP_FP8QK = 0, 1, 2, 3
@@ -128,8 +139,9 @@ def _decode_e2m1(packed, scale, NV_ASM: tl.constexpr):
 def _load_mxfp4_tile(KV, KV_SC, sc_stride, phys, n_ok, NV_ASM: tl.constexpr):
     """One MXFP4 KV tile decoded to bf16 and split by dimension parity: (nope even, nope
     odd [BLOCK_N, 256], rope even, rope odd [BLOCK_N, 32]). Keeping the two nibbles of a
-    byte apart (instead of interleaving them) leaves each half contiguous per thread, so
-    it goes to shared memory in wide stores; the products contract over even and odd
+    byte apart (instead of interleaving them) needs no join or reshape in registers, and
+    the decoded tile goes to shared memory once for both products (with 16-bit stores:
+    Triton lays it out token-major there); the products contract over even and odd
     dimensions separately (Q is split the same way)."""
     blk = tl.arange(0, 16)
     byte = tl.arange(0, 16)
@@ -279,15 +291,11 @@ def _tile_rows(PAGE_TBL, pg_start, page_shift, kv_start, n0, hi, BLOCK_N: tl.con
 
 
 @triton.jit
-def _attend_tile(KV, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
-                 qnT, qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain,
-                 KV_FMT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PAGED: tl.constexpr, UPCAST: tl.constexpr, STAGED: tl.constexpr):
-    """One bf16 or fp8 KV tile [n0, n0 + BLOCK_N) of the online softmax; returns
-    (m_i, l_i, acc)."""
-    offs_n, n_ok, phys = _tile_rows(PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
-                                    BLOCK_N, PAGED)
-    kn_raw, kr_raw = _load_kv_tile(KV, phys, n_ok)
+def _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT, qrT, row_scale, limit, m_i,
+                 l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
+                 UPCAST: tl.constexpr, STAGED: tl.constexpr):
+    """One bf16 or fp8 KV tile (`kn_raw` [BLOCK_N, 512], `kr_raw` [BLOCK_N, 64] as stored,
+    tokens `offs_n`, `n_ok` in range) of the online softmax; returns (m_i, l_i, acc)."""
     if COMPUTE == 3:
         # e4m3 QK^T on the tile as stored; only the values are converted, to fp16.
         kn = _mma_operand(kn_raw, 2, UPCAST)
@@ -339,6 +347,32 @@ def _attend_tile(KV, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi
         p = p * p_gain
     acc = tl.dot(tl.trans(kv), _mma_operand(p, 1 if COMPUTE == 3 else COMPUTE, UPCAST), acc)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_tile_ptr(KV, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi, sc_stride, qnT,
+                     qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr,
+                     COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+                     UPCAST: tl.constexpr, STAGED: tl.constexpr):
+    """_attend_tile on the tile [n0, n0 + BLOCK_N) loaded through pointers (masked at hi)."""
+    offs_n, n_ok, phys = _tile_rows(PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
+                                    BLOCK_N, PAGED)
+    kn_raw, kr_raw = _load_kv_tile(KV, phys, n_ok)
+    return _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT, qrT, row_scale, limit,
+                        m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE, UPCAST, STAGED)
+
+
+@triton.jit
+def _attend_tile_tma(desc_n, desc_r, kv_start, n0, hi, sc_stride, qnT, qrT, row_scale, limit,
+                     m_i, l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, STAGED: tl.constexpr):
+    """_attend_tile on the tile [n0, n0 + BLOCK_N) of the contiguous cache, loaded through
+    the program's TMA descriptors (rows from `hi` on come back as zeros)."""
+    row0 = (kv_start + n0).to(tl.int32)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    return _attend_tile(desc_n.load([row0, 0]), desc_r.load([row0, D_NOPE]), offs_n,
+                        offs_n < hi, sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc,
+                        lazy, p_gain, KV_FMT, COMPUTE, UPCAST, STAGED)
 
 
 @triton.jit
@@ -394,11 +428,14 @@ def mla_decode_kernel(
     H, total_rows, n_splits, qk_scale, fast,
     KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
-    FP8_STAGED: tl.constexpr, NV_ASM: tl.constexpr,
+    FP8_STAGED: tl.constexpr, NV_ASM: tl.constexpr, TMA: tl.constexpr,
 ):
     """Grid (row blocks, splits, batch). See the module docstring for the scheme.
     `fast` (runtime, so it costs no extra compile): lazy rescaling and the fused
     last-program merge instead of a second launch."""
+    if NV_ASM:
+        # Lets a PDL merge launch start as soon as every split program has begun.
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -477,20 +514,41 @@ def mla_decode_kernel(
             if COMPUTE == 2:
                 out_scale = out_scale / p_gain
             acc = tl.zeros([D_NOPE, BLOCK_M], tl.float32)
-            if UPCAST:
+            if TMA:
+                # Bounded at the split's end: see "KV loads" in the module docstring.
+                end = (kv_start + hi).to(tl.int32)
+                desc_n = tl.make_tensor_descriptor(KV, [end, D_QK], [D_QK, 1],
+                                                   [BLOCK_N, D_NOPE])
+                desc_r = tl.make_tensor_descriptor(KV, [end, D_QK], [D_QK, 1],
+                                                   [BLOCK_N, D_ROPE])
+                if UPCAST:
+                    n0 = lo
+                    while n0 < hi:
+                        m_i, l_i, acc = _attend_tile_tma(
+                            desc_n, desc_r, kv_start, n0, hi, sc_stride, qnT, qrT,
+                            row_scale, limit, m_i, l_i, acc, fast, p_gain, KV_FMT, COMPUTE,
+                            BLOCK_N, UPCAST, FP8_STAGED)
+                        n0 += BLOCK_N
+                else:
+                    for n0 in range(lo, hi, BLOCK_N):
+                        m_i, l_i, acc = _attend_tile_tma(
+                            desc_n, desc_r, kv_start, n0, hi, sc_stride, qnT, qrT,
+                            row_scale, limit, m_i, l_i, acc, fast, p_gain, KV_FMT, COMPUTE,
+                            BLOCK_N, UPCAST, FP8_STAGED)
+            elif UPCAST:
                 n0 = lo
                 while n0 < hi:
-                    m_i, l_i, acc = _attend_tile(
-                        KV, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
-                        qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
-                        KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST, FP8_STAGED)
+                    m_i, l_i, acc = _attend_tile_ptr(
+                        KV, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi, sc_stride, qnT,
+                        qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain, KV_FMT, COMPUTE,
+                        BLOCK_N, PAGED, UPCAST, FP8_STAGED)
                     n0 += BLOCK_N
             else:
                 for n0 in range(lo, hi, BLOCK_N):
-                    m_i, l_i, acc = _attend_tile(
-                        KV, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
-                        qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
-                        KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST, FP8_STAGED)
+                    m_i, l_i, acc = _attend_tile_ptr(
+                        KV, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi, sc_stride, qnT,
+                        qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain, KV_FMT, COMPUTE,
+                        BLOCK_N, PAGED, UPCAST, FP8_STAGED)
 
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         if KV_FMT == 2:
@@ -517,11 +575,13 @@ def mla_decode_kernel(
 
 @triton.jit(do_not_specialize=["total_rows", "n_splits"])
 def mla_merge_kernel(QO_INDPTR, KV_INDPTR, PART_O, PART_LSE, OUT, H, total_rows, n_splits,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """Second-launch merge, grid (row blocks, batch, MERGE_CHUNKS): each program merges one
     slice of the output dims, 16 splits per load, so a sequence's partials are read by
     MERGE_CHUNKS programs at once in one or a few round trips. Sequences with one split
-    were written directly by the split kernel."""
+    were written directly by the split kernel. PDL: launched as a programmatic dependent
+    launch, so the split kernel's writes are waited for here, after the bounds are read
+    (the index arrays are inputs of both kernels, not written by either)."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     d0 = tl.program_id(2) * (D_NOPE // MERGE_CHUNKS)
@@ -529,6 +589,8 @@ def mla_merge_kernel(QO_INDPTR, KV_INDPTR, PART_O, PART_LSE, OUT, H, total_rows,
     rows = (tl.load(QO_INDPTR + b + 1) - q_start) * H
     _, _, _, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
     r0 = pid_m * BLOCK_M
+    if PDL:
+        gdc_wait()
     if (r0 < rows) & (n_act > 1):
         offs_m = r0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < rows
@@ -551,6 +613,13 @@ class KernelConfig:
     page_size: int = 1
     fast_mode: bool = False
     fp8_convert: str = "staged"
+    kv_load: str = "pointer"
+    pdl: bool = True
+
+    def tma(self) -> bool:
+        """bf16/fp8 tiles load through tensor descriptors (MXFP4 keeps pointers)."""
+        return self.kv_load == "tma" and self.kv_format != "mxfp4"
+
     def constexprs(self, paged: bool, upcast: bool, nvidia: bool) -> dict[str, int | bool]:
         """The constexpr arguments that define the compiled split kernel. `nvidia`: the
         target takes NVIDIA PTX inline assembly (never under the interpreter)."""
@@ -558,8 +627,18 @@ class KernelConfig:
             "KV_FMT": FORMATS[self.kv_format], "COMPUTE": COMPUTES[self.compute],
             "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "PAGED": paged,
             "UPCAST": upcast, "FP8_STAGED": self.fp8_convert == "staged",
-            "NV_ASM": nvidia and not upcast,
+            "NV_ASM": nvidia and not upcast, "TMA": self.tma(),
         }
+
+    def merge_options(self, upcast: bool, nvidia: bool) -> dict[str, int | bool]:
+        """Constexprs and launch options of the second-launch merge kernel: a programmatic
+        dependent launch where the target has one (sm_90, not the interpreter)."""
+        pdl = self.pdl and nvidia and not upcast
+        opts: dict[str, int | bool] = {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
+                                       "PDL": pdl, "num_warps": 4, "num_stages": 1}
+        if pdl:
+            opts["launch_pdl"] = True
+        return opts
 
 
 _KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8}
@@ -583,8 +662,7 @@ def kernel_launches(cfg: KernelConfig, *, heads: int, paged: bool, merge: bool, 
     if merge:
         merge_args = (i32, i32, f32, f32, torch.bfloat16, heads, 1, 1)
         launches.append((mla_merge_kernel, merge_args,
-                         dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=4,
-                              num_stages=1)))
+                         cfg.merge_options(upcast, target.startswith("cuda"))))
     return launches
 
 
@@ -650,6 +728,9 @@ class MlaDecodeLauncher:
         if page_size & (page_size - 1):
             raise ValueError(f"page size must be a power of two, got {page_size}")
         self.paged = page_table is not None or page_size > 1
+        if cfg.tma() and self.paged:
+            raise ValueError("kv_load='tma' reads the contiguous cache only; a paged layout "
+                             "(page size > 1 or a page table) needs kv_load='pointer'")
         if page_table is None and self.paged:
             kv_starts = [0]
             for n in kv_lens[:-1]:
@@ -679,7 +760,11 @@ class MlaDecodeLauncher:
         self.target = device_target(device)
         self.constexprs = cfg.constexprs(self.paged, self.upcast,
                                          self.target.startswith("cuda"))
+        self.merge_opts = cfg.merge_options(self.upcast, self.target.startswith("cuda"))
         self.separate_merge = self.n_splits > 1 and not cfg.fast_mode
+        # Device-side tensor descriptors are written to a per-program scratch area that
+        # Triton's launcher asks its allocator for; calls hand it this buffer (grown once).
+        self._scratch = torch.empty(0, dtype=torch.uint8, device=device)
         self.device = device
         self._raw: tuple | None = None
         self.hooks_bypassed = False
@@ -700,8 +785,14 @@ class MlaDecodeLauncher:
         mla_decode_kernel[self.grid](*split_args, **self.constexprs, num_warps=c.num_warps,
                                      num_stages=c.num_stages)
         if self.separate_merge:
-            mla_merge_kernel[self.merge_grid](*merge_args, BLOCK_M=c.block_m,
-                                              BLOCK_N=c.block_n, num_warps=4, num_stages=1)
+            mla_merge_kernel[self.merge_grid](*merge_args, **self.merge_opts)
+
+    def _scratch_for(self, size: int, alignment: int, stream: int | None) -> torch.Tensor:
+        """Triton's allocator protocol, for the descriptors' global scratch (stream-ordered
+        reuse: the next call's kernel starts after this one's)."""
+        if self._scratch.numel() < size:
+            self._scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self._scratch
 
     def prepare(self, sc_stride: int = 0) -> None:
         """Compile both kernels now (not on the first timed call; a kernel compiled ahead
@@ -725,9 +816,10 @@ class MlaDecodeLauncher:
         k1 = compiled[0]
         k2 = compiled[1] if len(compiled) > 1 else None
         k1.run  # noqa: B018 - loads the module and creates the launcher
+        merge_cx = (self.cfg.block_m, self.cfg.block_n, self.merge_opts["PDL"])
         self._raw = (k1.run, k1.function, k1.packed_metadata, tuple(self.constexprs.values()),
                      None if k2 is None else (k2.run, k2.function, k2.packed_metadata,
-                                              (self.cfg.block_m, self.cfg.block_n)))
+                                              merge_cx))
         if k2 is not None:
             k2.run  # noqa: B018
 
@@ -743,10 +835,25 @@ class MlaDecodeLauncher:
         split_args, merge_args = self._args(q, kv, self.dummy_f32 if kv_scale is None
                                             else kv_scale, kv_sc, sc_stride, qo_indptr,
                                             kv_indptr)
+        if not self.constexprs["TMA"]:
+            self._launch(split_args, merge_args)
+            return self.out
+        if kv.data_ptr() % 16:
+            raise ValueError("kv_load='tma' needs a 16-byte aligned KV cache; this one starts "
+                             f"at {kv.data_ptr():#x} (pass an aligned tensor or use "
+                             "kv_load='pointer')")
+        token = _allocation._allocator.set(self._scratch_for)
+        try:
+            self._launch(split_args, merge_args)
+        finally:
+            _allocation._allocator.reset(token)
+        return self.out
+
+    def _launch(self, split_args: tuple, merge_args: tuple) -> None:
         raw = self._raw
         if raw is None:
             self._launch_jit(split_args, merge_args)
-            return self.out
+            return
         run, fn, md, cx, merge = raw
         stream = self._stream(self._dev_index)
         g = self.grid
@@ -755,4 +862,3 @@ class MlaDecodeLauncher:
             run2, fn2, md2, cx2 = merge
             g = self.merge_grid
             run2(g[0], g[1], g[2], stream, fn2, md2, None, None, None, *merge_args, *cx2)
-        return self.out

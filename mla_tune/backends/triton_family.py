@@ -37,7 +37,8 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _kernel_config(shape: Shape, config: Mapping[str, Any]):
+def kernel_config(shape: Shape, config: Mapping[str, Any]):
+    """The kernel's KernelConfig for a point of the space on `shape`."""
     from kernels.triton.mla_decode import KernelConfig
 
     return KernelConfig(
@@ -46,7 +47,8 @@ def _kernel_config(shape: Shape, config: Mapping[str, Any]):
         num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
         num_splits=int(config["num_splits"]), page_size=_page_size(shape, config),
         fast_mode=bool(config["fast_mode"]),
-        fp8_convert=str(config.get("fp8_convert", "staged")))
+        fp8_convert=str(config.get("fp8_convert", "staged")),
+        kv_load=str(config.get("kv_load", "pointer")))
 
 
 def _page_size(shape: Shape, config: Mapping[str, Any]) -> int:
@@ -108,6 +110,9 @@ class TritonFamily(Backend):
         converts_fp8 = shape.kv_format is KVFormat.FP8 and str(config["compute"]) != "fp8"
         if not converts_fp8 and str(config.get("fp8_convert", "staged")) != "staged":
             return False  # the knob only exists for fp8 KV on 16-bit MMAs
+        if str(config.get("kv_load", "pointer")) == "tma" and (
+                shape.kv_format is not KVFormat.BF16 or _page_size(shape, config) > 1):
+            return False  # see kv_load in configs/backends/triton.toml
         splits = int(config["num_splits"])
         return splits * block_n <= shape.kv_len
 
@@ -117,7 +122,7 @@ class TritonFamily(Backend):
             return None
         from kernels.triton import static_check
 
-        cfg = _kernel_config(shape, config)
+        cfg = kernel_config(shape, config)
         return static_check.check(cfg, [_target_name(torch.device(device))], heads=shape.heads)
 
     def compile_key(self, shape: Shape, config: Mapping[str, Any],
@@ -126,7 +131,7 @@ class TritonFamily(Backend):
             return None
         from kernels.triton import static_check
 
-        return static_check.compiled_key(_kernel_config(shape, config), shape.heads)
+        return static_check.compiled_key(kernel_config(shape, config), shape.heads)
 
     def compile_ahead(self, shape: Shape, config: Mapping[str, Any], arch: str) -> None:
         from kernels.triton import static_check
@@ -134,12 +139,12 @@ class TritonFamily(Backend):
 
         target = target_for_arch(arch)
         if target is not None:
-            static_check.compile_ahead(_kernel_config(shape, config), target, heads=shape.heads)
+            static_check.compile_ahead(kernel_config(shape, config), target, heads=shape.heads)
 
     def build(self, shape: Shape, config: Mapping[str, Any], device: torch.device) -> KernelFn:
         from kernels.triton.mla_decode import MlaDecodeLauncher
 
-        cfg = _kernel_config(shape, config)
+        cfg = kernel_config(shape, config)
         launcher = MlaDecodeLauncher(cfg, heads=shape.heads, q_len=shape.q_len,
                                      kv_lens=list(shape.kv_lens), device=device,
                                      sm_scale=SM_SCALE)

@@ -20,3 +20,14 @@ def test_fp8_conversion_mode_is_a_knob_only_for_fp8_on_16_bit_mmas():
                                        ("fp8", "staged")}
     assert _converts(KVFormat.BF16) == {("bf16", "staged")}
     assert _converts(KVFormat.MXFP4) == {("bf16", "staged")}
+
+
+def _loads(shape: Shape) -> set[str]:
+    return {c["kv_load"] for c in TritonFamily().candidates(shape, torch.device("cuda"))}
+
+
+def test_tma_loads_are_a_knob_only_for_contiguous_bf16_kv():
+    assert _loads(Shape.uniform(4, 1024)) == {"pointer", "tma"}
+    assert _loads(Shape.uniform(4, 1024, kv_format=KVFormat.FP8)) == {"pointer"}
+    assert _loads(Shape.uniform(4, 1024, kv_format=KVFormat.MXFP4)) == {"pointer"}
+    assert _loads(Shape.uniform(4, 1024, page_size=16)) == {"pointer"}

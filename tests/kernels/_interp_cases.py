@@ -40,6 +40,17 @@ CASES: dict[str, tuple[dict, dict]] = {
                            dict(compute="fp8qk", num_splits=2, fast_mode=True)),
     "fp8_fp8_fast_q4": (dict(kv_lens=(60, 31), q_len=4, fmt="fp8"),
                         dict(compute="fp8", num_splits=2, fast_mode=True)),
+    # TMA loads end at the split's end: the cache is followed by NaN rows here, which a
+    # tile read past the last sequence's end would carry into the output.
+    "bf16_tma_ragged_nan_tail": (dict(kv_lens=(37, 128, 5), nan_tail=True),
+                                 dict(num_splits=3, kv_load="tma")),
+    "bf16_tma_q4_fused_nan_tail": (dict(kv_lens=(64, 23), q_len=4, nan_tail=True),
+                                   dict(num_splits=2, fast_mode=True, kv_load="tma")),
+    "fp8_fp8qk_tma_nan_tail": (dict(kv_lens=(60, 31), fmt="fp8", nan_tail=True),
+                               dict(compute="fp8qk", num_splits=2, kv_load="tma")),
+    "fp8_fp16_tma_operand_nan_tail": (dict(kv_lens=(60, 31), fmt="fp8", nan_tail=True),
+                                      dict(compute="fp16", num_splits=1, kv_load="tma",
+                                           fp8_convert="operand")),
     "mxfp4_h32": (dict(kv_lens=(77, 128), heads=32, fmt="mxfp4"), dict(num_splits=2)),
     "mxfp4_q4_fused_page16": (dict(kv_lens=(90, 40), q_len=4, fmt="mxfp4"),
                               dict(num_splits=3, fast_mode=True, page_size=16)),
@@ -73,6 +84,7 @@ def run_case(name: str) -> dict:
     shape_kw = dict(shape_kw)
     fmt = shape_kw.pop("fmt", "bf16")
     kv_lens = shape_kw.pop("kv_lens")
+    nan_tail = shape_kw.pop("nan_tail", False)
     shape = Shape(batch=len(kv_lens), kv_lens=kv_lens, kv_format=fmt, **shape_kw)
     data = generate_input(shape, seed=7)
     q, kv_data, qo, kvp, config = data
@@ -84,6 +96,9 @@ def run_case(name: str) -> dict:
                      "mxfp4": (kv_data["mxfp4"][0], None, kv_data["mxfp4"][1])}[fmt]
     if name.startswith("bf16_shuffled"):
         kv, page_table = _shuffled_pages(kv, list(kv_lens), cfg.page_size)
+    if nan_tail:
+        tail = torch.full((64,) + kv.shape[1:], float("nan")).to(kv.dtype)
+        kv = torch.cat([kv, tail])
     launcher = MlaDecodeLauncher(cfg, heads=shape.heads, q_len=shape.q_len,
                                  kv_lens=list(kv_lens), device="cpu", page_table=page_table)
     out = launcher(q, kv, scale, sc, qo, kvp).float()

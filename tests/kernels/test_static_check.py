@@ -41,7 +41,8 @@ def reports() -> list[dict]:
 def test_default_space_is_compact() -> None:
     from mla_tune.triton_variants import default_variants
 
-    # 36 today: 4 bf16, 4 MXFP4, 28 fp8 (4 compute paths, 2 conversion modes of three).
+    # 40 today: 8 bf16 (pointer and TMA loads), 4 MXFP4, 28 fp8 (4 compute paths, 2
+    # conversion modes of three).
     assert 0 < len(default_variants()) <= 40
 
 
@@ -76,9 +77,10 @@ def test_resources_are_recorded_and_problems_reported(reports: list[dict]) -> No
 
 
 @pytest.mark.parametrize("variant", [
-    ("bf16", "bf16", 32, 3, "staged"),
+    ("bf16", "bf16", 32, 3, "staged", "pointer"),
+    ("bf16", "bf16", 32, 3, "staged", "tma"),
     # fp8's fastest path at long sequences, at 255 registers on sm_90: one more spills.
-    ("fp8", "fp8qk", 64, 3, "operand"),
+    ("fp8", "fp8qk", 64, 3, "operand", "pointer"),
 ])
 def test_measured_best_variants_are_clean(reports: list[dict], variant: tuple) -> None:
     """The variants the H200 measurements favour must not be pruned on either target."""
@@ -86,7 +88,8 @@ def test_measured_best_variants_are_clean(reports: list[dict], variant: tuple) -
 
     good = [CompileReport(**r["report"]) for r in reports
             if (r["config"]["kv_format"], r["config"]["compute"], r["config"]["block_n"],
-                r["config"]["num_stages"], r["config"]["fp8_convert"]) == variant]
+                r["config"]["num_stages"], r["config"]["fp8_convert"],
+                r["config"]["kv_load"]) == variant]
     assert len(good) == 2 and all(g.problem() is None for g in good), good
 
 
