@@ -560,6 +560,53 @@ def import_cmd(
                   "kernel sources differ)")
 
 
+@app.command()
+def prune(
+    db: str | None = typer.Option(None, help=DB_HELP),
+    yes: bool = typer.Option(False, "--yes", help="Delete them; without it, only list them."),
+) -> None:
+    """Delete trials, queued work and search studies of retired kernel sources (neither this
+    checkout's nor the newest measured); winners and the trials they name stay."""
+    from mla_tune.backends import source_hashes
+    from mla_tune.prune import find_retired
+    from mla_tune.prune import prune as prune_sources
+
+    _open_store(db, read_only=True).close()  # must exist and be a tuning DB: create nothing
+    store = _open_store(db)
+    retired = find_retired(store, source_hashes())
+    if not retired:
+        console.print(f"nothing to prune in {store.url}: every stored source is current or "
+                      "the newest measured of its backend")
+        return
+    table = Table(title=f"retired kernel sources in {store.url}")
+    for col in ("backend", "source", "trials", "studies"):
+        table.add_column(col, justify="right" if col in ("trials", "studies") else "left")
+    for r in retired:
+        table.add_row(r.backend, r.source_hash[:12], str(r.trials), str(len(r.studies)))
+    console.print(table)
+    if not yes:
+        console.print("nothing deleted: run again with --yes to delete these")
+        return
+    size = _db_file_size(store)
+    done = prune_sources(store, retired)
+    after = _db_file_size(store)
+    shrink = f"; file {size / 1e6:.1f} -> {after / 1e6:.1f} MB" if size and after else ""
+    console.print(f"deleted {done.rows.trials} trials, {done.rows.claims} queued claims and "
+                  f"{done.studies} studies; kept {done.rows.kept_for_winners} trials that "
+                  f"stored winners name{shrink}")
+
+
+def _db_file_size(store: Any) -> int | None:
+    """Size of a SQLite DB file, None for a server DB."""
+    from sqlalchemy import make_url
+
+    url = make_url(store.url)
+    if url.get_backend_name() != "sqlite" or not url.database:
+        return None
+    path = Path(url.database)
+    return path.stat().st_size if path.is_file() else None
+
+
 def main() -> None:
     app()
 

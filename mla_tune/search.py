@@ -40,6 +40,25 @@ def study_name(device_hash: str, software_hash: str, shape_key: str, backend: st
     return f"mla-tune:{device_hash}:{software_hash}:{shape_key}:{backend}:{source_hash}"
 
 
+def study_source(name: str) -> tuple[str, str] | None:
+    """(backend, source hash) of a study named by `study_name`; None for any other study
+    (Optuna studies of other tools may share the database)."""
+    parts = name.split(":")
+    if len(parts) != 6 or parts[0] != "mla-tune":
+        return None
+    return parts[4], parts[5]
+
+
+def study_sources(storage: optuna.storages.BaseStorage) -> dict[str, tuple[str, str]]:
+    """Our studies in `storage`: name -> (backend, source hash)."""
+    found = {}
+    for study in storage.get_all_studies():
+        source = study_source(study.study_name)
+        if source is not None:
+            found[study.study_name] = source
+    return found
+
+
 def make_sampler(strategy: Strategy, seed: int) -> optuna.samplers.BaseSampler:
     """The Optuna sampler for a strategy (grid walks the grid itself and only records)."""
     if strategy is Strategy.TPE:

@@ -3,7 +3,9 @@
 from mla_tune.db.store import (
     ClaimRow,
     DBError,
+    DeletedRows,
     DeviceRow,
+    SourceRow,
     TrialGroup,
     TrialRow,
     TuningStore,
@@ -11,5 +13,5 @@ from mla_tune.db.store import (
     resolve_url,
 )
 
-__all__ = ["ClaimRow", "DBError", "DeviceRow", "TrialGroup", "TrialRow", "TuningStore",
-           "WinnerRow", "resolve_url"]
+__all__ = ["ClaimRow", "DBError", "DeletedRows", "DeviceRow", "SourceRow", "TrialGroup",
+           "TrialRow", "TuningStore", "WinnerRow", "resolve_url"]

@@ -190,6 +190,26 @@ class ClaimRow:
 
 
 @dataclass(frozen=True)
+class SourceRow:
+    """The trials stored for one kernel source of one backend (all devices and stacks)."""
+
+    backend: str
+    source_hash: str
+    trials: int
+    newest_trial_id: int
+    named_by_winners: int
+
+
+@dataclass(frozen=True)
+class DeletedRows:
+    """What `delete_sources` removed, and the trials it kept because a winner names them."""
+
+    trials: int
+    claims: int
+    kept_for_winners: int
+
+
+@dataclass(frozen=True)
 class WinnerRow:
     """The fastest correct config for a shape, with the device and stack it was tuned on,
     so the dispatcher and reports need no further queries."""
@@ -694,6 +714,49 @@ class TuningStore:
         with self._session() as s:
             return [_trial_row(t) for t in s.scalars(select(Trial).where(*where)
                                                      .order_by(Trial.id))]
+
+    @_reads
+    def sources(self) -> list[SourceRow]:
+        """Every (backend, kernel source) with trials, by backend, oldest source first."""
+        named = exists().where(Winner.trial_id == Trial.id)
+        with self._session() as s:
+            rows = s.execute(
+                select(Trial.backend, Trial.source_hash, func.count(), func.max(Trial.id),
+                       func.count().filter(named))
+                .group_by(Trial.backend, Trial.source_hash)
+                .order_by(Trial.backend, func.max(Trial.id))).all()
+        return [SourceRow(b, h, int(n), int(i), int(w)) for b, h, n, i, w in rows]
+
+    @_writes
+    def delete_sources(self, sources: Collection[tuple[str, str]]) -> DeletedRows:
+        """Delete the trials and queued claims of these (backend, source hash) pairs, in one
+        transaction. A trial a stored winner points at is kept (with its winner), so
+        `winners()` and reports of other stacks stay whole."""
+        trials = claims = kept = 0
+        if not sources:
+            return DeletedRows(0, 0, 0)
+        with self._session() as s:
+            for backend, source in sources:
+                mine = [Trial.backend == backend, Trial.source_hash == source]
+                named = exists().where(Winner.trial_id == Trial.id)
+                kept += s.scalar(select(func.count()).select_from(Trial)
+                                 .where(*mine, named)) or 0
+                trials += s.execute(delete(Trial).where(*mine, ~named)).rowcount
+                claims += s.execute(delete(Claim).where(
+                    Claim.backend == backend, Claim.source_hash == source)).rowcount
+        return DeletedRows(trials, claims, kept)
+
+    @_writes
+    def compact(self) -> None:
+        """Give the space of deleted rows back to the file system: SQLite keeps freed pages
+        in the file until VACUUM (PostgreSQL's autovacuum reuses them on its own)."""
+        if self._dialect != "sqlite":
+            return
+        raw = self._engine.raw_connection()
+        try:
+            raw.driver_connection.execute("VACUUM")
+        finally:
+            raw.close()
 
     @_writes
     def update_winner(self, device_id: int, software_id: int, shape_key: str,

@@ -327,3 +327,50 @@ def test_concurrent_first_open_processes(sqlite_url, tmp_path):
     assert all(p.returncode == 0 for p in procs), [err for _, err in results]
     assert {out.strip() for out, _ in results} == {"1"}
     _assert_one_trial(sqlite_url)
+
+
+def test_delete_sources_keeps_what_winners_name_and_other_sources(store, ids):
+    from mla_tune.db import TrialGroup
+
+    for i in range(3):
+        _record(store, ids, {"i": i}, median=5.0 + i, source="old")
+        _record(store, ids, {"i": i}, median=9.0 + i, source="new")
+    store.enqueue(TrialGroup(ids["device_id"], ids["software_id"], SHAPE_KEY, "triton", "old"),
+                  [{"i": 7}])
+    win = store.update_winner(ids["device_id"], ids["software_id"], SHAPE_KEY,
+                              {"triton": "old"})
+    by_source = {r.source_hash: r for r in store.sources()}
+    assert {h: (r.trials, r.named_by_winners) for h, r in by_source.items()} == {
+        "old": (3, 1), "new": (3, 0)}
+    assert by_source["new"].newest_trial_id > by_source["old"].newest_trial_id
+
+    gone = store.delete_sources([("triton", "old")])
+    assert (gone.trials, gone.claims, gone.kept_for_winners) == (2, 1, 1)
+    left = store.trials()
+    assert sorted((t.source_hash, t.config["i"]) for t in left) == [
+        ("new", 0), ("new", 1), ("new", 2), ("old", 0)]
+    assert [w.trial_id for w in store.winners()] == [win.trial_id]
+    store.compact()  # VACUUM on SQLite, nothing on PostgreSQL; the data is unchanged
+    assert len(store.trials()) == 4
+
+
+def test_compact_returns_deleted_space_to_the_file(tmp_path):
+    path = tmp_path / "big.db"
+    with TuningStore(str(path)) as store:
+        ids = {"device_id": store.device_id(GPU), "software_id": store.software_id(STACK)}
+        for i in range(400):
+            _record(store, ids, {"i": i, "pad": "x" * 400}, source="old")
+        _record(store, ids, {"i": 0}, source="new")
+        before = path.stat().st_size
+        store.delete_sources([("triton", "old")])
+        assert path.stat().st_size == before  # SQLite keeps the freed pages...
+        store.compact()
+        assert path.stat().st_size < before / 2  # ...until VACUUM
+
+
+def test_prune_writes_are_refused_read_only(sqlite_url, ids):
+    with TuningStore(sqlite_url, read_only=True) as ro:
+        with pytest.raises(DBError, match="read-only"):
+            ro.delete_sources([("triton", "old")])
+        with pytest.raises(DBError, match="read-only"):
+            ro.compact()

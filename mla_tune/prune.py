@@ -1,0 +1,79 @@
+"""Drop what no sweep, report or dispatch of this checkout will read again: the trials,
+queued work and Optuna studies of kernel sources that have been retired.
+
+A backend's source is retired when it is neither the checkout's (what `source_hashes`
+computes from the kernel files here) nor the newest one measured in the DB (so results of
+kernels edited since their sweep, or of backends this machine cannot load, survive).
+Trials a stored winner points at are kept with their winner. Every re-sweep of an edited
+kernel leaves its predecessor's trials and studies behind, which is most of a long-lived
+DB's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from mla_tune.db import DeletedRows, SourceRow, TuningStore
+from mla_tune.search import study_sources
+
+
+@dataclass(frozen=True)
+class RetiredSource:
+    """One retired (backend, source): the trials and studies of it that a prune deletes
+    (trials that winners name are not counted: they stay)."""
+
+    backend: str
+    source_hash: str
+    trials: int
+    studies: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    """What a prune removed."""
+
+    rows: DeletedRows
+    studies: int
+
+
+def plan(sources: list[SourceRow], studies: Mapping[str, tuple[str, str]],
+         current: Mapping[str, str]) -> list[RetiredSource]:
+    """The retired sources among those with trials (`sources`) or studies (`studies`),
+    given the checkout's `current` source per backend."""
+    keep = {(b, h) for b, h in current.items()}
+    newest: dict[str, SourceRow] = {}
+    for row in sources:
+        if row.backend not in newest or row.newest_trial_id > newest[row.backend].newest_trial_id:
+            newest[row.backend] = row
+    keep |= {(r.backend, r.source_hash) for r in newest.values()}
+    trials = {(r.backend, r.source_hash): r.trials - r.named_by_winners for r in sources}
+    named: dict[tuple[str, str], list[str]] = {}
+    for name, pair in studies.items():
+        named.setdefault(pair, []).append(name)
+    pairs = sorted((set(trials) | set(named)) - keep)
+    retired = [RetiredSource(b, h, trials.get((b, h), 0), sorted(named.get((b, h), [])))
+               for b, h in pairs]
+    return [r for r in retired if r.trials or r.studies]
+
+
+def find_retired(store: TuningStore, current: Mapping[str, str]) -> list[RetiredSource]:
+    """The retired sources in `store` (reads only)."""
+    return plan(store.sources(), study_sources(store.optuna_storage()), current)
+
+
+def prune(store: TuningStore, retired: list[RetiredSource]) -> PruneResult:
+    """Delete the studies of `retired`, then its trials and claims (one transaction), then
+    compact the file. An interrupted prune leaves only retired rows, which the next one
+    finds again."""
+    import optuna
+
+    storage = store.optuna_storage()
+    studies = 0
+    for source in retired:
+        for name in source.studies:
+            optuna.delete_study(study_name=name, storage=storage)
+            studies += 1
+    rows = store.delete_sources([(r.backend, r.source_hash) for r in retired])
+    store.compact()
+    return PruneResult(rows, studies)

@@ -1,0 +1,110 @@
+"""`mla-tune prune`: which kernel sources are retired, and that deleting them keeps every
+current result, the newest measured one, winners, and the DB readable."""
+
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+from typer.testing import CliRunner
+
+from mla_tune.backends import source_hashes
+from mla_tune.cli import app
+from mla_tune.db import SourceRow, TuningStore
+from mla_tune.prune import plan
+from mla_tune.search import study_name, study_source
+from tests.db.conftest import GPU, SHAPE, SHAPE_KEY, STACK
+
+runner = CliRunner()
+
+
+def test_study_names_round_trip_and_foreign_studies_are_ignored() -> None:
+    assert study_source(study_name("d", "s", SHAPE_KEY, "triton", "abc")) == ("triton", "abc")
+    assert study_source("someone-elses-study") is None
+    assert study_source("mla-tune:too:few") is None
+
+
+def test_plan_keeps_current_and_newest_sources_and_what_winners_name() -> None:
+    rows = [SourceRow("triton", "old", 10, 10, 0), SourceRow("triton", "mid", 5, 20, 5),
+            SourceRow("triton", "cur", 4, 30, 0), SourceRow("triton", "edited", 3, 40, 0),
+            SourceRow("aiter", "a1", 2, 5, 0), SourceRow("aiter", "a2", 2, 6, 0)]
+    studies = {"s-old": ("triton", "old"), "s-cur": ("triton", "cur"),
+               "s-gone": ("triton", "no-trials"), "s-a1": ("aiter", "a1")}
+    retired = plan(rows, studies, {"triton": "cur"})
+    # "edited" is the newest measured (the checkout changed since): kept. "mid" has only
+    # winner-named trials and no study: nothing to delete. aiter cannot be loaded here:
+    # its newest source stays, the older one goes.
+    assert [(r.backend, r.source_hash, r.trials, r.studies) for r in retired] == [
+        ("aiter", "a1", 2, ["s-a1"]), ("triton", "no-trials", 0, ["s-gone"]),
+        ("triton", "old", 10, ["s-old"])]
+
+
+def _db(path) -> tuple[str, dict[str, str]]:
+    """A DB with trials and studies of an old, the current and a foreign triton source,
+    and a winner on the old one."""
+    current = source_hashes()["triton"]
+    store = TuningStore(str(path))
+    dev, sw = store.device_id(GPU), store.software_id(STACK)
+    names = {}
+    storage = store.optuna_storage()
+    for source, median in (("old", 5.0), (current, 7.0)):
+        for i in range(3):
+            store.record_trial(device_id=dev, software_id=sw, shape_key=SHAPE_KEY,
+                               shape_json=SHAPE, kv_format="bf16", backend="triton",
+                               source_hash=source, config={"i": i}, status="ok",
+                               stats={"median_us": median + i})
+        names[source] = study_name("d", "s", SHAPE_KEY, "triton", source)
+        study = optuna.create_study(storage=storage, study_name=names[source])
+        study.add_trial(optuna.trial.create_trial(value=median))
+    optuna.create_study(storage=storage, study_name="not-ours")
+    store.update_winner(dev, sw, SHAPE_KEY, {"triton": "old"})
+    store.close()
+    return current, names
+
+
+def test_cli_lists_then_deletes_retired_sources_only(tmp_path) -> None:
+    path = tmp_path / "t.db"
+    current, names = _db(path)
+
+    dry = runner.invoke(app, ["prune", "--db", str(path)])
+    assert dry.exit_code == 0, dry.output
+    assert "old" in dry.output and "nothing deleted" in dry.output
+    with TuningStore(str(path), read_only=True) as ro:
+        assert len(ro.trials()) == 6
+
+    done = runner.invoke(app, ["prune", "--db", str(path), "--yes"])
+    assert done.exit_code == 0, done.output
+    assert "deleted 2 trials" in done.output and "1 studies" in done.output
+    with TuningStore(str(path)) as store:
+        left = sorted((t.source_hash, t.config["i"]) for t in store.trials())
+        assert left == [(current, 0), (current, 1), (current, 2), ("old", 0)]
+        (winner,) = store.winners()
+        assert (winner.source_hash, winner.config) == ("old", {"i": 0})
+        studies = {s.study_name for s in store.optuna_storage().get_all_studies()}
+    assert studies == {names[current], "not-ours"}
+
+    again = runner.invoke(app, ["prune", "--db", str(path), "--yes"])
+    assert again.exit_code == 0 and "nothing to prune" in again.output
+
+
+def test_cli_refuses_a_missing_db_and_creates_nothing(tmp_path) -> None:
+    path = tmp_path / "absent.db"
+    r = runner.invoke(app, ["prune", "--db", str(path), "--yes"])
+    assert r.exit_code != 0
+    assert "no tuning DB" in r.output
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("args", [["--yes"], []])
+def test_report_reads_the_same_winners_after_prune(tmp_path, args) -> None:
+    path = tmp_path / "t.db"
+    _db(path)
+    before = runner.invoke(app, ["report", "--db", str(path), "--format", "json"])
+    runner.invoke(app, ["prune", "--db", str(path), *args])
+    after = runner.invoke(app, ["report", "--db", str(path), "--format", "json"])
+    assert before.exit_code == after.exit_code == 0
+
+    def winners(out: str) -> list:
+        return sorted((r["shape_key"], r["backend"], r["median_us"]) for r in json.loads(out))
+    assert winners(before.output) == winners(after.output) == [(SHAPE_KEY, "triton", 5.0)]
