@@ -1,0 +1,161 @@
+"""Where one split program's time goes, phase by phase (a dev script for kernel work, not a
+test and not the tuner): per program of the bf16/fp8 split kernel, SM clock cycles
+(`%clock64`) from its start to the sequence bounds, to the query block in registers, to its
+last tile in registers, to that tile's QK^T done, to the end of the KV loop, and to the end
+of its epilogue (output or partial stored, merge if fused). Medians over programs and over
+10 launches, each after a 1 GiB write that evicts L2 (cold, as the timing protocol).
+
+    python3 bench/kernel_phases.py bf16:4x1024:num_splits=16,block_n=64 ...
+
+Variants as in bench/kernel_probe.py (pointer loads; not MXFP4). The probes live in a
+patched copy of kernels/triton/mla_decode.py built here (each patch point is asserted, so
+a kernel change that moves one fails loudly); a probe waits for the value it depends on
+(a reduction of it), which adds a few hundred cycles to the phase it ends.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+PHASES = ("bounds loaded", "query block loaded", "last tile in registers",
+          "its QK^T done", "KV loop done", "epilogue done")
+"""Probe k ends phase k; program start is probe 0 (slot order in the debug buffer below)."""
+
+_PATCHES = [
+    ('''@triton.jit
+def _mma_operand(''', '''@triton.jit
+def _clk(dep):
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64; // $1", "=l,r",
+                                     [dep.to(tl.int32)], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _mma_operand('''),
+    ("    OUT, PART_O, PART_LSE, COUNTERS,\n    H, total_rows,",
+     "    OUT, PART_O, PART_LSE, COUNTERS, DBG,\n    H, total_rows,"),
+    ('''    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+''', '''    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    t0 = _clk(pid_m)
+    dbg = DBG + ((b * tl.num_programs(1) + split) * tl.num_programs(0) + pid_m) * 8
+'''),
+    ('''    kv_start, L, chunk, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
+    if (r0 < rows) & (split < n_act):''', '''    kv_start, L, chunk, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
+    t1 = _clk(kv_start + q_start)
+    if (r0 < rows) & (split < n_act):'''),
+    ('''            qr = tl.load(q_row + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+''', '''            qr = tl.load(q_row + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+            tl.store(dbg + 2, _clk(tl.max(tl.max(qr.to(tl.float32), 1), 0)))
+'''),
+    ('''    if COMPUTE == 3:
+        # e4m3 QK^T on the tile as stored; only the values are converted, to fp16.''',
+     '''    tl.store(DBG + 3, _clk(tl.max(tl.max(kr_raw.to(tl.float32), 1), 0)))
+    if COMPUTE == 3:
+        # e4m3 QK^T on the tile as stored; only the values are converted, to fp16.'''),
+    ('''    s = s * row_scale[None, :]
+    valid = n_ok[:, None] & (offs_n[:, None] <= limit[None, :])''',
+     '''    tl.store(DBG + 4, _clk(tl.max(tl.max(s, 1), 0)))
+    s = s * row_scale[None, :]
+    valid = n_ok[:, None] & (offs_n[:, None] <= limit[None, :])'''),
+    ('''        l_safe = tl.where(l_i > 0, l_i, 1.0)
+''', '''        tl.store(dbg + 5, _clk(tl.max(l_i, 0)))
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+'''),
+    ('''                    tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["total_rows", "n_splits"])''',
+     '''                    tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", scope="gpu")
+        tl.debug_barrier()
+        tl.store(dbg + 6, _clk(pid_m))
+        tl.store(dbg + 0, t0)
+        tl.store(dbg + 1, t1)
+
+
+@triton.jit(do_not_specialize=["total_rows", "n_splits"])'''),
+    ("def _attend_tile(kn_raw, kr_raw,", "def _attend_tile(DBG, kn_raw, kr_raw,"),
+    ("    return _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT,",
+     "    return _attend_tile(DBG, kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT,"),
+    ("def _attend_tile_ptr(KV, PAGE_TBL,", "def _attend_tile_ptr(DBG, KV, PAGE_TBL,"),
+    ('''                for n0 in range(lo, hi, BLOCK_N):
+                    m_i, l_i, acc = _attend_tile_ptr(
+                        KV,''', '''                for n0 in range(lo, hi, BLOCK_N):
+                    m_i, l_i, acc = _attend_tile_ptr(
+                        dbg, KV,'''),
+    ('''                  0, torch.bfloat16, f32, f32, i32, heads,''',
+     '''                  0, torch.bfloat16, f32, f32, i32, torch.int64, heads,'''),
+    ('''                      self.part_o, self.part_lse, self.counters, self.heads,''',
+     '''                      self.part_o, self.part_lse, self.counters, self.dbg, self.heads,'''),
+    ('''        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)''',
+     '''        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)
+        self.dbg = torch.zeros(8 * self.batch * self.row_blocks * self.n_splits,
+                               dtype=torch.int64, device=device)'''),
+]
+
+
+def probed_module():
+    """kernels/triton/mla_decode.py with the clock probes, imported from a temporary file."""
+    src = (ROOT / "kernels" / "triton" / "mla_decode.py").read_text()
+    for old, new in _PATCHES:
+        if src.count(old) != 1:
+            raise SystemExit(f"the kernel changed: patch point not found once:\n{old[:200]}")
+        src = src.replace(old, new)
+    path = Path(tempfile.mkdtemp()) / "mla_decode_probed.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("mla_decode_probed", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mla_decode_probed"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    import torch
+
+    from kernel_probe import parse_variant
+    from triton_dev import make_inputs
+
+    md = probed_module()
+    evict = torch.empty(1 << 28, dtype=torch.int32, device="cuda")
+    for text in sys.argv[1:]:
+        fmt, batch, kv_len, cfg = parse_variant(text)
+        if fmt == "mxfp4" or cfg.tma():
+            raise SystemExit(f"{text}: only bf16/fp8 variants with pointer loads are probed")
+        cfg = md.KernelConfig(**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__})
+        q, args, qo, kvp = make_inputs(batch, kv_len, 16, fmt, "cuda")
+        launcher = md.MlaDecodeLauncher(cfg, heads=16, q_len=1, kv_lens=[kv_len] * batch,
+                                        device="cuda")
+        launcher.prepare()
+        runs = []
+        for it in range(12):
+            evict.zero_()
+            launcher.dbg.zero_()
+            launcher(q, *args, qo, kvp)
+            torch.cuda.synchronize()
+            t = launcher.dbg.view(-1, 8)[:, :7].cpu()
+            if it >= 2:  # the first launches load modules and warm clocks
+                runs.append(t[t[:, 6] > 0])
+        t = torch.cat(runs).double()
+        print(f"{text}  ({t.shape[0] // 10} programs; cycles, median [p10, p90])")
+        for k, name in enumerate(PHASES):
+            d = t[:, k + 1] - t[:, k]
+            print(f"   {name:24} {d.median().item():8.0f}  [{d.quantile(0.1).item():.0f}, "
+                  f"{d.quantile(0.9).item():.0f}]")
+        print(f"   {'total':24} {(t[:, 6] - t[:, 0]).median().item():8.0f}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    main()
