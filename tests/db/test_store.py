@@ -368,7 +368,8 @@ def test_compact_returns_deleted_space_to_the_file(tmp_path):
         assert path.stat().st_size < before / 2  # ...until VACUUM
 
 
-def test_prune_writes_are_refused_read_only(sqlite_url, ids):
+def test_prune_writes_are_refused_read_only(sqlite_url):
+    TuningStore(sqlite_url).close()
     with TuningStore(sqlite_url, read_only=True) as ro:
         with pytest.raises(DBError, match="read-only"):
             ro.delete_sources([("triton", "old")])
