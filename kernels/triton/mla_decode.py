@@ -136,35 +136,32 @@ def _decode_e2m1(packed, scale, NV_ASM: tl.constexpr):
 
 
 @triton.jit
-def _load_mxfp4_tile(KV, KV_SC, sc_stride, phys, n_ok, NV_ASM: tl.constexpr):
-    """One MXFP4 KV tile decoded to bf16 and split by dimension parity: (nope even, nope
-    odd [BLOCK_N, 256], rope even, rope odd [BLOCK_N, 32]). Keeping the two nibbles of a
-    byte apart (instead of interleaving them) needs no join or reshape in registers, and
-    the decoded tile goes to shared memory once for both products (with 16-bit stores:
-    Triton lays it out token-major there); the products contract over even and odd
-    dimensions separately (Q is split the same way)."""
-    blk = tl.arange(0, 16)
+def _load_mxfp4_part(KV, KV_SC, sc_stride, phys, n_ok, b0, NB: tl.constexpr,
+                     NV_ASM: tl.constexpr):
+    """Blocks [b0, b0 + NB) of the 18 32-dim blocks of an MXFP4 KV tile, decoded to bf16
+    and split by dimension parity: (even dims, odd dims) [BLOCK_N, NB * 16]. Keeping the two
+    nibbles of a byte apart (instead of interleaving them) needs no join or reshape in
+    registers, and each decoded part goes to shared memory once for both products (with
+    16-bit stores: Triton lays it out token-major there); the products contract over even
+    and odd dimensions separately (Q is split the same way). A tile is decoded in three
+    parts (rope, then each half of the nope dims), each consumed by QK^T before the next
+    is decoded: decoded whole, a 64-key tile held about 144 registers per thread on its way
+    to shared memory and spilled on sm_90."""
+    blk = tl.arange(0, NB)
     byte = tl.arange(0, 16)
-    rblk = tl.arange(0, 2)
     row = phys[:, None, None] * (D_QK // 2)
-    pn = tl.load(KV + row + blk[None, :, None] * 16 + byte[None, None, :],
+    pk = tl.load(KV + row + (b0 + blk[None, :, None]) * 16 + byte[None, None, :],
                  mask=n_ok[:, None, None], other=0)
-    pr = tl.load(KV + row + D_NOPE // 2 + rblk[None, :, None] * 16 + byte[None, None, :],
-                 mask=n_ok[:, None, None], other=0)
-    srow = phys[:, None] * sc_stride
-    sn = tl.load(KV_SC + srow + blk[None, :], mask=n_ok[:, None], other=0)
-    sr = tl.load(KV_SC + srow + 16 + rblk[None, :], mask=n_ok[:, None], other=0)
-    R: tl.constexpr = pn.shape[0]
+    sc = tl.load(KV_SC + phys[:, None] * sc_stride + b0 + blk[None, :], mask=n_ok[:, None],
+                 other=0)
+    R: tl.constexpr = pk.shape[0]
     if sc_stride >= 0:  # always (a row stride); see below
-        ne, no = _decode_e2m1(pn, sn, NV_ASM)
-        re, ro = _decode_e2m1(pr, sr, NV_ASM)
+        e, o = _decode_e2m1(pk, sc, NV_ASM)
     else:
-        # Same decode. The branch only keeps the compiler from re-decoding the tile in
+        # Same decode. The branch only keeps the compiler from re-decoding the part in
         # each MMA operand layout (it does not rematerialize across an scf.if).
-        ne, no = _decode_e2m1(pn, sn, NV_ASM)
-        re, ro = _decode_e2m1(pr, sr, NV_ASM)
-    return (tl.reshape(ne, [R, D_NOPE // 2]), tl.reshape(no, [R, D_NOPE // 2]),
-            tl.reshape(re, [R, D_ROPE // 2]), tl.reshape(ro, [R, D_ROPE // 2]))
+        e, o = _decode_e2m1(pk, sc, NV_ASM)
+    return tl.reshape(e, [R, NB * 16]), tl.reshape(o, [R, NB * 16])
 
 
 @triton.jit
@@ -377,13 +374,15 @@ def _attend_tile_tma(desc_n, desc_r, kv_start, n0, hi, sc_stride, qnT, qrT, row_
 
 @triton.jit
 def _attend_tile_mxfp4(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0,
-                       hi, qe, qo, qre, qro, row_scale, limit, m_i, l_i, acc_e, acc_o, lazy,
+                       hi, qea, qoa, qeb, qob, qre, qro, row_scale, limit, m_i, l_i, acc_ea,
+                       acc_oa, acc_eb, acc_ob, lazy,
                        BLOCK_N: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
                        NV_ASM: tl.constexpr):
     """One MXFP4 KV tile of the online softmax over even and odd dimensions apart (see
-    _load_mxfp4_tile); `qe`/`qo` ([BLOCK_M, 256]) and `qre`/`qro` ([BLOCK_M, 32]) are the
-    query rows' even and odd dims, `acc_e`/`acc_o` ([BLOCK_M, 256]) the output's. Returns
-    (m_i, l_i, acc_e, acc_o).
+    _load_mxfp4_part); `qea`/`qoa` and `qeb`/`qob` ([BLOCK_M, 128]) are the query rows' even
+    and odd dims of the first and second half of the 512 nope dims, `qre`/`qro`
+    ([BLOCK_M, 32]) of the rope dims, and `acc_ea` ... `acc_ob` the output's in the same
+    split. Returns (m_i, l_i, acc_ea, acc_oa, acc_eb, acc_ob).
 
     Query rows are the M side of both products and the decoded tile is the B operand of
     both (transposed for QK^T), so the tile is written to shared memory once, in the layout
@@ -392,15 +391,23 @@ def _attend_tile_mxfp4(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_
     sm_90 at 32-64 keys.)"""
     offs_n, n_ok, phys = _tile_rows(PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
                                     BLOCK_N, PAGED)
-    ke, ko, kre, kro = _load_mxfp4_tile(KV, KV_SC, sc_stride, phys, n_ok, NV_ASM)
-    ke = _mma_operand(ke, 0, UPCAST)
-    ko = _mma_operand(ko, 0, UPCAST)
+    kre, kro = _load_mxfp4_part(KV, KV_SC, sc_stride, phys, n_ok, D_NOPE // 32, D_ROPE // 32,
+                                NV_ASM)
     kre = _mma_operand(kre, 0, UPCAST)
     kro = _mma_operand(kro, 0, UPCAST)
-    s = tl.dot(qe, tl.trans(ke))
-    s = tl.dot(qo, tl.trans(ko), s)
-    s = tl.dot(qre, tl.trans(kre), s)
+    s = tl.dot(qre, tl.trans(kre))
     s = tl.dot(qro, tl.trans(kro), s)
+    kea, koa = _load_mxfp4_part(KV, KV_SC, sc_stride, phys, n_ok, 0, D_NOPE // 64, NV_ASM)
+    kea = _mma_operand(kea, 0, UPCAST)
+    koa = _mma_operand(koa, 0, UPCAST)
+    s = tl.dot(qea, tl.trans(kea), s)
+    s = tl.dot(qoa, tl.trans(koa), s)
+    keb, kob = _load_mxfp4_part(KV, KV_SC, sc_stride, phys, n_ok, D_NOPE // 64, D_NOPE // 64,
+                                NV_ASM)
+    keb = _mma_operand(keb, 0, UPCAST)
+    kob = _mma_operand(kob, 0, UPCAST)
+    s = tl.dot(qeb, tl.trans(keb), s)
+    s = tl.dot(qob, tl.trans(kob), s)
     s = s * row_scale[:, None]
     valid = n_ok[None, :] & (offs_n[None, :] <= limit[:, None])
     s = tl.where(valid, s, float("-inf"))
@@ -408,16 +415,20 @@ def _attend_tile_mxfp4(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_
     # Lazy rescaling: skip the accumulator rescale while no row max grew by > LAZY_TAU.
     if (lazy == 0) | (tl.max(m_new - m_i, 0) > LAZY_TAU):
         alpha = tl.exp2(m_i - m_new)
-        acc_e = acc_e * alpha[:, None]
-        acc_o = acc_o * alpha[:, None]
+        acc_ea = acc_ea * alpha[:, None]
+        acc_oa = acc_oa * alpha[:, None]
+        acc_eb = acc_eb * alpha[:, None]
+        acc_ob = acc_ob * alpha[:, None]
         l_i = l_i * alpha
         m_i = m_new
     p = tl.exp2(s - m_i[:, None])
     l_i += tl.sum(p, 1)
     pb = _mma_operand(p, 0, UPCAST)
-    acc_e = tl.dot(pb, ke, acc_e)
-    acc_o = tl.dot(pb, ko, acc_o)
-    return m_i, l_i, acc_e, acc_o
+    acc_ea = tl.dot(pb, kea, acc_ea)
+    acc_oa = tl.dot(pb, koa, acc_oa)
+    acc_eb = tl.dot(pb, keb, acc_eb)
+    acc_ob = tl.dot(pb, kob, acc_ob)
+    return m_i, l_i, acc_ea, acc_oa, acc_eb, acc_ob
 
 
 @triton.jit(do_not_specialize=["sc_stride", "page_shift", "total_rows", "n_splits", "fast"])
@@ -465,34 +476,42 @@ def mla_decode_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         q_row = Q + grow[:, None] * D_QK
         if KV_FMT == 2:
-            even_n = 2 * tl.arange(0, D_NOPE // 2)
+            even_n = 2 * tl.arange(0, D_NOPE // 4)
             even_r = D_NOPE + 2 * tl.arange(0, D_ROPE // 2)
             qm = row_ok[:, None]
-            qe = _mma_operand(tl.load(q_row + even_n[None, :], mask=qm, other=0.0), 0, UPCAST)
-            qo = _mma_operand(tl.load(q_row + 1 + even_n[None, :], mask=qm, other=0.0), 0,
-                              UPCAST)
+            qea = _mma_operand(tl.load(q_row + even_n[None, :], mask=qm, other=0.0), 0, UPCAST)
+            qoa = _mma_operand(tl.load(q_row + 1 + even_n[None, :], mask=qm, other=0.0), 0,
+                               UPCAST)
+            qeb = _mma_operand(tl.load(q_row + D_NOPE // 2 + even_n[None, :], mask=qm, other=0.0), 0,
+                               UPCAST)
+            qob = _mma_operand(tl.load(q_row + D_NOPE // 2 + 1 + even_n[None, :], mask=qm, other=0.0), 0,
+                               UPCAST)
             qre = _mma_operand(tl.load(q_row + even_r[None, :], mask=qm, other=0.0), 0, UPCAST)
             qro = _mma_operand(tl.load(q_row + 1 + even_r[None, :], mask=qm, other=0.0), 0,
                                UPCAST)
-            acc_e = tl.zeros([BLOCK_M, D_NOPE // 2], tl.float32)
-            acc_o = tl.zeros([BLOCK_M, D_NOPE // 2], tl.float32)
+            acc_ea = tl.zeros([BLOCK_M, D_NOPE // 4], tl.float32)
+            acc_oa = tl.zeros([BLOCK_M, D_NOPE // 4], tl.float32)
+            acc_eb = tl.zeros([BLOCK_M, D_NOPE // 4], tl.float32)
+            acc_ob = tl.zeros([BLOCK_M, D_NOPE // 4], tl.float32)
             if UPCAST:
                 # The interpreter cannot take loaded scalars as range() bounds (numpy >= 2).
                 n0 = lo
                 while n0 < hi:
-                    m_i, l_i, acc_e, acc_o = _attend_tile_mxfp4(
+                    m_i, l_i, acc_ea, acc_oa, acc_eb, acc_ob = _attend_tile_mxfp4(
                         KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0,
-                        hi, qe, qo, qre, qro, row_scale, limit, m_i, l_i, acc_e, acc_o, fast,
-                        BLOCK_N, PAGED, UPCAST, NV_ASM)
+                        hi, qea, qoa, qeb, qob, qre, qro, row_scale, limit, m_i, l_i, acc_ea,
+                        acc_oa, acc_eb, acc_ob, fast, BLOCK_N, PAGED, UPCAST, NV_ASM)
                     n0 += BLOCK_N
             else:
                 for n0 in range(lo, hi, BLOCK_N):
-                    m_i, l_i, acc_e, acc_o = _attend_tile_mxfp4(
+                    m_i, l_i, acc_ea, acc_oa, acc_eb, acc_ob = _attend_tile_mxfp4(
                         KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0,
-                        hi, qe, qo, qre, qro, row_scale, limit, m_i, l_i, acc_e, acc_o, fast,
-                        BLOCK_N, PAGED, UPCAST, NV_ASM)
-            # Back to natural dimension order: d = 2 * i + parity.
-            acc = tl.reshape(tl.join(acc_e, acc_o), [BLOCK_M, D_NOPE])
+                        hi, qea, qoa, qeb, qob, qre, qro, row_scale, limit, m_i, l_i, acc_ea,
+                        acc_oa, acc_eb, acc_ob, fast, BLOCK_N, PAGED, UPCAST, NV_ASM)
+            # Back to natural dimension order: d = 256 * half + 2 * i + parity.
+            acc_a = tl.reshape(tl.join(acc_ea, acc_oa), [BLOCK_M, D_NOPE // 2])
+            acc_b = tl.reshape(tl.join(acc_eb, acc_ob), [BLOCK_M, D_NOPE // 2])
+            acc = tl.reshape(tl.permute(tl.join(acc_a, acc_b), (0, 2, 1)), [BLOCK_M, D_NOPE])
         else:
             qn = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0)
             qr = tl.load(q_row + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
