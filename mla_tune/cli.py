@@ -129,6 +129,7 @@ def sweep(
     seed: int = typer.Option(0, help="Input seed."),
     pin: list[str] = typer.Option([], "--pin", help="Narrow a knob: BACKEND.KNOB=V1[,V2...], e.g. triton.num_splits=1,4 (repeatable)."),
     no_compile_ahead: bool = typer.Option(False, "--no-compile-ahead", help="Skip the compile stage (each GPU worker then compiles the kernels it meets)."),
+    retry: list[str] = typer.Option([], "--retry", help="Measure again the stored trials with this outcome: failed, timeout or wrong (repeatable), e.g. after a transient out-of-memory."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the candidates per shape and backend (and why a backend is skipped), then stop: nothing is run or stored."),
 ) -> None:
     """Tune shapes: enumerate variants, verify each against the reference, time it, store it.
@@ -150,6 +151,10 @@ def sweep(
 
     formats = _formats(kv_format)
     shapes = _shapes(shape, suite, formats, heads, q_len, page_size)
+    retry_statuses = tuple(dict.fromkeys(retry))
+    if set(retry_statuses) - {"failed", "timeout", "wrong"}:
+        fail(f"--retry takes failed, timeout or wrong (a trial's outcome), got "
+             f"{', '.join(retry_statuses)}")
     try:
         strat = Strategy(strategy)
     except ValueError:
@@ -169,7 +174,7 @@ def sweep(
     options = SweepOptions(devices=devices, strategy=strat, budget=budget, seed=seed,
                            policy=TimingPolicy(budget_s=time_budget), baselines=not no_baseline,
                            candidate_timeout_s=candidate_timeout, pins=pins,
-                           compile_ahead=not no_compile_ahead)
+                           compile_ahead=not no_compile_ahead, retry=retry_statuses)
     # SIGTERM stops the sweep as cleanly as Ctrl-C (workers ignore both; the driver ends them).
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:

@@ -73,6 +73,9 @@ class SweepOptions:
     stale_after_s: float = 60.0
     # Compile each distinct kernel once in CPU processes while the GPU workers start.
     compile_ahead: bool = True
+    # Trial outcomes to measure again (`--retry`): stored trials with these statuses are
+    # deleted for the keys swept, so their configs are candidates again.
+    retry: tuple[str, ...] = ()
 
 
 class SweepError(RuntimeError):
@@ -380,6 +383,8 @@ class _Sweep:
                 continue
             source = self.sources[backend.name]
             key = TrialGroup(self.device_id, self.software_id, shape.key, backend.name, source)
+            if self.options.retry:
+                self.store.delete_trials(key, self.options.retry)
             prior = self.store.measured(self.device_id, self.software_id, shape.key,
                                         backend.name, source)
             measured = {k: (t.median_us if t.status == "ok" else None) for k, t in prior.items()}

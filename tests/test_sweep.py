@@ -172,3 +172,42 @@ def test_each_worker_keeps_to_a_shape_of_its_own(store):
     assert picked == [(0, shapes[0].key), (1, shapes[1].key), (0, shapes[0].key),
                       (1, shapes[1].key)]
     assert sweep._next_job(0) is None  # nothing left to claim anywhere
+
+
+def test_retry_measures_failed_trials_again_and_only_when_asked(store, tmp_path, monkeypatch):
+    from tests.fixtures.fault_backends import FLAKY_FILE_ENV
+
+    register("flaky", "tests.fixtures.fault_backends:FlakyBackend")
+    marker = tmp_path / "busy"
+    marker.touch()
+    monkeypatch.setenv(FLAKY_FILE_ENV, str(marker))
+    shape = Shape.uniform(2, 8)
+    backend = get_backend("flaky")
+    opts = SweepOptions(policy=FAST, baselines=False)
+    run_sweep([shape], [backend], store, opts)
+
+    def outcomes() -> dict[tuple[str, int], str]:
+        return {(t.config["kind"], t.config["delay_ms"]): t.status
+                for t in store.trials(shape_key=shape.key)}
+    assert outcomes() == {("steady", 0): "ok", ("steady", 4): "ok",
+                          ("flaky", 0): "failed", ("flaky", 4): "failed"}
+    steady_ids = {t.id for t in store.trials(status="ok")}
+
+    marker.unlink()  # the transient cause is gone
+    again = run_sweep([shape], [backend], store, opts)
+    assert again[0].backends[0].new_trials == 0  # a stored outcome is never re-measured...
+    assert set(outcomes().values()) == {"ok", "failed"}
+
+    retried = run_sweep([shape], [backend], store,
+                        SweepOptions(policy=FAST, baselines=False, retry=("failed",)))
+    assert retried[0].backends[0].new_trials == 2  # ...unless asked to
+    assert set(outcomes().values()) == {"ok"}
+    assert steady_ids <= {t.id for t in store.trials(status="ok")}  # 'ok' trials kept
+    assert retried[0].winner.config["delay_ms"] == 0
+
+
+def test_retry_refuses_to_delete_ok_trials(store):
+    from mla_tune.db import TrialGroup
+
+    with pytest.raises(ValueError, match="failed, timeout or wrong"):
+        store.delete_trials(TrialGroup(1, 1, "k", "toy", "src"), ("ok",))

@@ -715,6 +715,20 @@ class TuningStore:
             return [_trial_row(t) for t in s.scalars(select(Trial).where(*where)
                                                      .order_by(Trial.id))]
 
+    @_writes
+    def delete_trials(self, group: TrialGroup, statuses: Collection[str]) -> int:
+        """Delete the group's trials with these statuses (never 'ok': winners name those),
+        so the next sweep of the group measures those configs again."""
+        bad = set(statuses) - set(TRIAL_STATUSES)
+        if bad or "ok" in statuses:
+            raise ValueError(f"only failed, timeout or wrong trials can be deleted, got "
+                             f"{sorted(statuses)}")
+        if not statuses:
+            return 0
+        with self._session() as s:
+            return s.execute(delete(Trial).where(*group.where(Trial),
+                                                 Trial.status.in_(list(statuses)))).rowcount
+
     @_reads
     def sources(self) -> list[SourceRow]:
         """Every (backend, kernel source) with trials, by backend, oldest source first."""
