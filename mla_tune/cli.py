@@ -414,6 +414,10 @@ def doctor(device: str | None = typer.Option(None, help="cuda or cpu."),
     out.print("software: " + ", ".join(f"{k} {v}" for k, v in sw.versions))
     out.print(f"tuning DB: {resolve_url(db).render_as_string(hide_password=True)}")
     out.print(f"winners usable here: {Dispatcher.from_db(db, dev).summary()}", highlight=False)
+    retired = _retired_trials(db)
+    if retired:
+        out.print(f"{retired} stored trials are of retired kernel sources (`mla-tune prune` "
+                  "lists and deletes them)", highlight=False)
     table = Table(title="backends")
     for col in ("backend", "available", "why not"):
         table.add_column(col)
@@ -424,6 +428,20 @@ def doctor(device: str | None = typer.Option(None, help="cuda or cpu."),
         except Exception as exc:  # noqa: BLE001 - doctor reports, never crashes
             table.add_row(name, "no", f"{type(exc).__name__}: {exc}")
     out.print(table)
+
+
+def _retired_trials(db: str | None) -> int:
+    """Trials `prune` would delete (read-only; 0 when the DB cannot be read)."""
+    from mla_tune.backends import source_hashes
+    from mla_tune.db import DBError, TuningStore
+    from mla_tune.prune import plan
+
+    try:
+        with TuningStore(db, read_only=True) as store:
+            sources = store.sources()
+    except DBError:
+        return 0
+    return sum(r.trials for r in plan(sources, {}, source_hashes()))
 
 
 _STACK_HASH = re.compile(r"[0-9a-f]{4,64}")

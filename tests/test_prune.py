@@ -108,3 +108,18 @@ def test_report_reads_the_same_winners_after_prune(tmp_path, args) -> None:
     def winners(out: str) -> list:
         return sorted((r["shape_key"], r["backend"], r["median_us"]) for r in json.loads(out))
     assert winners(before.output) == winners(after.output) == [(SHAPE_KEY, "triton", 5.0)]
+
+
+def test_doctor_points_at_prune_when_retired_trials_are_stored(tmp_path) -> None:
+    path = tmp_path / "t.db"
+    _db(path)  # 3 trials of "old": one named by a winner, so 2 are prunable
+    with TuningStore(str(path)) as store:  # a newer source measured last keeps "old" retired
+        store.record_trial(device_id=1, software_id=1, shape_key=SHAPE_KEY, shape_json=SHAPE,
+                           kv_format="bf16", backend="triton", source_hash="newest",
+                           config={"i": 0}, status="ok", stats={"median_us": 1.0})
+    r = runner.invoke(app, ["doctor", "--db", str(path), "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert "2 stored trials are of retired kernel sources" in r.output
+    runner.invoke(app, ["prune", "--db", str(path), "--yes"])
+    r = runner.invoke(app, ["doctor", "--db", str(path), "--device", "cpu"])
+    assert "retired" not in r.output
