@@ -3,7 +3,7 @@ test and not the tuner): per program of the bf16/fp8 split kernel, SM clock cycl
 (`%clock64`) from its start to the sequence bounds, to the query block in registers, to its
 last tile in registers, to that tile's QK^T done, to the end of the KV loop, and to the end
 of its epilogue (output or partial stored, merge if fused). Medians over programs and over
-10 launches, each after a 1 GiB write that evicts L2 (cold, as the timing protocol).
+10 launches, each after the timer's L2 flush (cold, as the timing protocol).
 
     python3 bench/kernel_phases.py bf16:4x1024:num_splits=16,block_n=64 ...
 
@@ -126,8 +126,10 @@ def main() -> None:
     from kernel_probe import parse_variant
     from triton_dev import make_inputs
 
+    from mla_tune.timing import CudaTimer
+
     md = probed_module()
-    evict = torch.empty(1 << 28, dtype=torch.int32, device="cuda")
+    cold = CudaTimer(torch.device("cuda"))
     for text in sys.argv[1:]:
         fmt, batch, kv_len, cfg = parse_variant(text)
         if fmt == "mxfp4" or cfg.tma():
@@ -139,7 +141,7 @@ def main() -> None:
         launcher.prepare()
         runs = []
         for it in range(12):
-            evict.zero_()
+            cold.flush_l2()
             launcher.dbg.zero_()
             launcher(q, *args, qo, kvp)
             torch.cuda.synchronize()

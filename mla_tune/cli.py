@@ -434,14 +434,13 @@ def _retired_trials(db: str | None) -> int:
     """Trials `prune` would delete (read-only; 0 when the DB cannot be read)."""
     from mla_tune.backends import source_hashes
     from mla_tune.db import DBError, TuningStore
-    from mla_tune.prune import plan
+    from mla_tune.prune import retired_trials
 
     try:
         with TuningStore(db, read_only=True) as store:
-            sources = store.sources()
+            return retired_trials(store, source_hashes())
     except DBError:
         return 0
-    return sum(r.trials for r in plan(sources, {}, source_hashes()))
 
 
 _STACK_HASH = re.compile(r"[0-9a-f]{4,64}")

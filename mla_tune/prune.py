@@ -58,8 +58,14 @@ def plan(sources: list[SourceRow], studies: Mapping[str, tuple[str, str]],
 
 
 def find_retired(store: TuningStore, current: Mapping[str, str]) -> list[RetiredSource]:
-    """The retired sources in `store` (reads only)."""
+    """The retired sources in `store`, their trials and studies."""
     return plan(store.sources(), study_sources(store.optuna_storage()), current)
+
+
+def retired_trials(store: TuningStore, current: Mapping[str, str]) -> int:
+    """How many trials a prune would delete; reads our tables only, so it works on a store
+    opened read-only (Optuna's storage may create its tables)."""
+    return sum(r.trials for r in plan(store.sources(), {}, current))
 
 
 def prune(store: TuningStore, retired: list[RetiredSource]) -> PruneResult:

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from mla_tune.db import TuningStore
+from mla_tune.db import DeviceRow, TuningStore
 from mla_tune.problem import Shape
 from mla_tune.report import (
     ReportRow,
@@ -379,7 +379,7 @@ def write_pngs(store: TuningStore, rows: Sequence[ReportRow], directory: Path) -
     require_matplotlib()
     directory.mkdir(parents=True, exist_ok=True)
     written = []
-    for fig in figures(rows, _read_bw(store)):
+    for fig in figures(rows, _read_bw(store.devices())):
         path = directory / f"{fig.slug}.png"
         figure_png(fig, path)
         written.append(path)
@@ -418,8 +418,9 @@ def _table(headers: Sequence[str], body: Iterable[Sequence[str]], numeric: set[i
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
-def _read_bw(store: TuningStore) -> dict[str, float | None]:
-    return {d.hash: d.read_bw_gbps for d in store.devices()}
+def _read_bw(devices: Iterable[DeviceRow]) -> dict[str, float | None]:
+    """Measured read bandwidth (GB/s) per device hash: the roofline's ceiling."""
+    return {d.hash: d.read_bw_gbps for d in devices}
 
 
 def _spread_text(row: ReportRow) -> str:
@@ -463,7 +464,7 @@ def render_html(store: TuningStore, rows: Sequence[ReportRow],
     """The whole report as one HTML document: summary, roofline, winners table, and the
     knob charts of every shape, all inline."""
     devices = store.devices()
-    read_bw = {d.hash: d.read_bw_gbps for d in devices}
+    read_bw = _read_bw(devices)
     multi = _multi_group(rows)
     stacks = {w.software.hash: w.software for w in store.winners()}
     used_devices = {r.device_hash for r in rows}

@@ -101,6 +101,10 @@ class CudaTimer:
         self.flush_bytes = max(2 * l2, 128 * 2**20)
         self._flush = torch.empty(self.flush_bytes // 4, dtype=torch.int32, device=self.device)
 
+    def flush_l2(self) -> None:
+        """Evict the L2 cache (queued on the current stream), so the next call starts cold."""
+        self._flush.zero_()
+
     def measure(self, fn: Callable[[], Any]) -> TimingStats:
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
@@ -111,7 +115,7 @@ class CudaTimer:
             samples: list[float] = []
             t0 = time.perf_counter()
             while not self.policy.done(samples, time.perf_counter() - t0):
-                self._flush.zero_()
+                self.flush_l2()
                 start.record()
                 fn()
                 end.record()

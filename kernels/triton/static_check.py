@@ -200,11 +200,12 @@ def compile_ahead(cfg: md.KernelConfig, target: str, heads: int = 16) -> str | N
     Triton's cache for `target`, and return the variant's static-check problem (None when
     it compiles cleanly). For a sweep's compile stage: GPU workers then only load."""
     problem = compile_variant(cfg, target, heads=heads).problem()
+    if problem is not None:
+        return problem
     for fn, args, kwargs in md.kernel_launches(cfg, heads=heads, paged=cfg.page_size > 1,
                                                merge=True, target=target):
-        if problem is None:
-            jit_compile(fn, target, args, kwargs)  # a cache hit when just checked
-    return problem
+        jit_compile(fn, target, args, kwargs)  # a cache hit when just checked
+    return None
 
 
 def check(cfg: md.KernelConfig, targets: list[str], heads: int = 16) -> str | None:

@@ -350,6 +350,11 @@ def _aware(dt: datetime) -> datetime:
     return dt if dt.tzinfo is not None else dt.replace(tzinfo=timezone.utc)
 
 
+def _named_by_a_winner() -> ColumnElement[bool]:
+    """A trial some stored winner points at (such trials are never deleted)."""
+    return exists().where(Winner.trial_id == Trial.id)
+
+
 def _trial_row(t: Trial) -> TrialRow:
     return TrialRow(
         id=t.id, device_id=t.device_id, software_id=t.software_id, shape_key=t.shape_key,
@@ -732,7 +737,7 @@ class TuningStore:
     @_reads
     def sources(self) -> list[SourceRow]:
         """Every (backend, kernel source) with trials, by backend, oldest source first."""
-        named = exists().where(Winner.trial_id == Trial.id)
+        named = _named_by_a_winner()
         with self._session() as s:
             rows = s.execute(
                 select(Trial.backend, Trial.source_hash, func.count(), func.max(Trial.id),
@@ -749,10 +754,10 @@ class TuningStore:
         trials = claims = kept = 0
         if not sources:
             return DeletedRows(0, 0, 0)
+        named = _named_by_a_winner()
         with self._session() as s:
             for backend, source in sources:
                 mine = [Trial.backend == backend, Trial.source_hash == source]
-                named = exists().where(Winner.trial_id == Trial.id)
                 kept += s.scalar(select(func.count()).select_from(Trial)
                                  .where(*mine, named)) or 0
                 trials += s.execute(delete(Trial).where(*mine, ~named)).rowcount
