@@ -11,14 +11,22 @@ is checked against the float32 reference before it is timed (cold L2, the tuner'
 `--once` launches each variant exactly once after its check (the check's own launch is the
 one a profiler filtered on the split kernel sees first, so profile with --launch-skip 0 and
 --launch-count 2 per variant, or read the second of each pair).
+
+`--baseline FILE` times every variant a second time with the kernel source in FILE, right
+after the checkout's, so an edit is compared with what it replaces in one run:
+
+    git show HEAD:kernels/triton/mla_decode.py > bench/_base.py
+    python3 bench/kernel_probe.py --baseline bench/_base.py VARIANT ...
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from dataclasses import fields
 from pathlib import Path
+from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -26,7 +34,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
-from kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher  # noqa: E402
+from kernels.triton import mla_decode  # noqa: E402
+from kernels.triton.mla_decode import KernelConfig  # noqa: E402
 from mla_tune.problem import KVFormat  # noqa: E402
 from mla_tune.timing import CudaTimer, TimingPolicy  # noqa: E402
 from triton_dev import CEILING_TBS, make_inputs, reference  # noqa: E402
@@ -48,13 +57,30 @@ def parse_variant(text: str) -> tuple[str, int, int, KernelConfig]:
     return fmt, batch, kv_len, KernelConfig(**kw)
 
 
+def load_kernel(path: Path) -> ModuleType:
+    """A kernel source file (another version of kernels/triton/mla_decode.py) as a module of
+    its own, so its kernels compile and run next to the checkout's."""
+    spec = importlib.util.spec_from_file_location(f"mla_decode_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("variants", nargs="+")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--once", action="store_true", help="launch once after the check")
     ap.add_argument("--budget", type=float, default=0.5, help="timing budget per variant, s")
+    ap.add_argument("--baseline", type=Path,
+                    help="also time each variant with the kernel source in this file")
     a = ap.parse_args()
+    kernels: list[tuple[str, ModuleType]] = [("", mla_decode)]
+    if a.baseline:
+        kernels.append((" [baseline]", load_kernel(a.baseline)))
     timer = None if a.once else CudaTimer(torch.device("cuda"), TimingPolicy(
         warmup=3, min_runs=20, max_runs=300, budget_s=a.budget))
     cache: dict[tuple, tuple] = {}
@@ -67,22 +93,26 @@ def main() -> None:
             q, args, qo, kvp = make_inputs(batch, kv_len, a.heads, fmt, "cuda")
             cache[key] = (q, args, qo, kvp, reference(q, args, fmt, batch, kv_len))
         q, args, qo, kvp, ref = cache[key]
-        launcher = MlaDecodeLauncher(cfg, heads=a.heads, q_len=1, kv_lens=[kv_len] * batch,
-                                     device="cuda")
-        launcher.prepare(args[2].stride(0) if args[2] is not None else 0)
-        out = launcher(q, *args, qo, kvp).float()
-        err = (out - ref).abs()
-        bad = float((err > 1e-2 + 1e-2 * ref.abs()).float().mean())
-        line = f"{text:90} err {float(err.max()):.3g} mism {bad:.2%}"
-        if a.once:
-            launcher(q, *args, qo, kvp)
-            torch.cuda.synchronize()
-        else:
-            st = timer.measure(lambda: launcher(q, *args, qo, kvp))
-            tbs = batch * kv_len * KVFormat(fmt).bytes_per_token / st.median_us / 1e6
-            line += (f"  median {st.median_us:8.1f} us  min {st.min_us:8.1f}  "
-                     f"{tbs:5.2f} TB/s {100 * tbs / CEILING_TBS:5.1f}%  splits {launcher.n_splits}")
-        print(line, flush=True)
+        for tag, md in kernels:
+            kcfg = md.KernelConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg)
+                                      if f.name in md.KernelConfig.__dataclass_fields__})
+            launcher = md.MlaDecodeLauncher(kcfg, heads=a.heads, q_len=1,
+                                            kv_lens=[kv_len] * batch, device="cuda")
+            launcher.prepare(args[2].stride(0) if args[2] is not None else 0)
+            out = launcher(q, *args, qo, kvp).float()
+            err = (out - ref).abs()
+            bad = float((err > 1e-2 + 1e-2 * ref.abs()).float().mean())
+            line = f"{text + tag:90} err {float(err.max()):.3g} mism {bad:.2%}"
+            if a.once:
+                launcher(q, *args, qo, kvp)
+                torch.cuda.synchronize()
+            else:
+                st = timer.measure(lambda: launcher(q, *args, qo, kvp))
+                tbs = batch * kv_len * KVFormat(fmt).bytes_per_token / st.median_us / 1e6
+                line += (f"  median {st.median_us:8.1f} us  min {st.min_us:8.1f}  "
+                         f"{tbs:5.2f} TB/s {100 * tbs / CEILING_TBS:5.1f}%  "
+                         f"splits {launcher.n_splits}")
+            print(line, flush=True)
 
 
 if __name__ == "__main__":
