@@ -331,9 +331,15 @@ def _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT, qrT, row_scale, l
         kv = kn
     # Transposed products (keys and value dims as the MMA's M side, query rows as N): the
     # KV tile is the A operand straight from shared memory, and a handful of query rows
-    # only set N, so the accumulator stays small and Hopper can use wgmma.
-    s = tl.dot(kn, qnT)
-    s = tl.dot(kr, qrT, s)
+    # only set N, so the accumulator stays small and Hopper can use wgmma. Below 64 keys
+    # QK^T cannot be a wgmma (M >= 64) and runs on mma.sync with the query rows as M: with
+    # 32 keys as M the four warps split the keys two ways and each pair of warps computed
+    # the same half (bf16 256x8192 on the H200: 540 vs 581 us).
+    if kn.shape[0] < 64:
+        s = tl.trans(tl.dot(tl.trans(qrT), tl.trans(kr), tl.dot(tl.trans(qnT), tl.trans(kn))))
+    else:
+        s = tl.dot(kn, qnT)
+        s = tl.dot(kr, qrT, s)
     s = s * row_scale[None, :]
     valid = n_ok[:, None] & (offs_n[:, None] <= limit[None, :])
     s = tl.where(valid, s, float("-inf"))

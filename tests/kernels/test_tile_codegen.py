@@ -21,6 +21,18 @@ def _stats(text: str) -> dict[str, int]:
     return kps.stats(kps.compile_split(kps.parse_variant(text)[3], "cuda:90", heads=16))
 
 
+@pytest.mark.parametrize("variant", ["bf16:1x1:block_n=32,num_stages=3,kv_load=tma",
+                                     "fp8:1x1:block_n=32,num_stages=2,compute=fp16,"
+                                     "fp8_convert=operand"])
+def test_qk_at_32_keys_is_not_computed_twice(variant: str) -> None:
+    # QK^T of a 32-key tile over 576 dims is 36 16-dim steps; with keys as the M side the
+    # four warps split 32 rows two ways and each pair computed the same half (72 MMAs per
+    # warp). Query rows as M give each warp its own 8 keys: 36 m16n8k16 MMAs per warp.
+    s = _stats(variant)
+    assert s["mma.sync"] == 36, s
+    assert s["spill_bytes"] == 0
+
+
 def test_mxfp4_tile_is_decoded_into_shared_memory_with_16_byte_stores() -> None:
     # 64 keys x 576 dims of bf16 over 128 threads: 576 B per thread, 36 16-byte stores.
     # With the packed bytes loaded per 32-dim block the decoded values reached shared
