@@ -87,11 +87,11 @@ def _mma_operand('''),
     ("def _attend_tile(kn_raw, kr_raw,", "def _attend_tile(DBG, kn_raw, kr_raw,"),
     ("    return _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT,",
      "    return _attend_tile(DBG, kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT,"),
-    ("def _attend_tile_ptr(KV, PAGE_TBL,", "def _attend_tile_ptr(DBG, KV, PAGE_TBL,"),
+    ("def _attend_kv_tile(KV, desc_n,", "def _attend_kv_tile(DBG, KV, desc_n,"),
     ('''                for n0 in range(lo, hi, BLOCK_N):
-                    m_i, l_i, acc = _attend_tile_ptr(
+                    m_i, l_i, acc = _attend_kv_tile(
                         KV,''', '''                for n0 in range(lo, hi, BLOCK_N):
-                    m_i, l_i, acc = _attend_tile_ptr(
+                    m_i, l_i, acc = _attend_kv_tile(
                         dbg, KV,'''),
     ('''                  0, torch.bfloat16, f32, f32, i32, heads,''',
      '''                  0, torch.bfloat16, f32, f32, i32, torch.int64, heads,'''),

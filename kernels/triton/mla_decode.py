@@ -61,39 +61,23 @@ LAZY_TAU = tl.constexpr(8.0)
 (log2 units): probabilities then stay below 2**8, safe in bf16/fp16 and in e4m3."""
 
 
-_E2M1_PTX = tl.constexpr("""
-{
-.reg .b32 t, x, a, b, k, z;
-mov.b32 z, 0;
-mov.b32 k, 0x7E807E80;
-prmt.b32 t, $4, z, 0x4140;
-and.b32 x, t, 0x000F000F;
-shl.b32 a, x, 6;
-shl.b32 b, x, 12;
-lop3.b32 x, a, b, 0x71C071C0, 0xE4;
-mul.rn.bf16x2 x, x, k;
-mul.rn.bf16x2 $0, x, $5;
-and.b32 x, t, 0x00F000F0;
-shl.b32 a, x, 2;
-shl.b32 b, x, 8;
-lop3.b32 x, a, b, 0x71C071C0, 0xE4;
-mul.rn.bf16x2 x, x, k;
-mul.rn.bf16x2 $2, x, $5;
-prmt.b32 t, $4, z, 0x4342;
-and.b32 x, t, 0x000F000F;
-shl.b32 a, x, 6;
-shl.b32 b, x, 12;
-lop3.b32 x, a, b, 0x71C071C0, 0xE4;
-mul.rn.bf16x2 x, x, k;
-mul.rn.bf16x2 $1, x, $6;
-and.b32 x, t, 0x00F000F0;
-shl.b32 a, x, 2;
-shl.b32 b, x, 8;
-lop3.b32 x, a, b, 0x71C071C0, 0xE4;
-mul.rn.bf16x2 x, x, k;
-mul.rn.bf16x2 $3, x, $6;
-}
-""")
+def _e2m1_ptx() -> str:
+    """The decode's PTX (described under _E2M1_PTX), built from its repeated step: the low
+    or high nibbles (`mask`, shifted by `sa` and `sb`) of two bytes spread to 16-bit lanes,
+    into bf16x2 register `out`, times `scale`."""
+    def nibbles(mask: str, sa: int, sb: int, out: str, scale: str) -> str:
+        return (f"and.b32 x, t, {mask};\nshl.b32 a, x, {sa};\nshl.b32 b, x, {sb};\n"
+                "lop3.b32 x, a, b, 0x71C071C0, 0xE4;\nmul.rn.bf16x2 x, x, k;\n"
+                f"mul.rn.bf16x2 {out}, x, {scale};\n")
+
+    lo, hi = ("0x000F000F", 6, 12), ("0x00F000F0", 2, 8)
+    return ("\n{\n.reg .b32 t, x, a, b, k, z;\nmov.b32 z, 0;\nmov.b32 k, 0x7E807E80;\n"
+            "prmt.b32 t, $4, z, 0x4140;\n" + nibbles(*lo, "$0", "$5") + nibbles(*hi, "$2", "$5")
+            + "prmt.b32 t, $4, z, 0x4342;\n" + nibbles(*lo, "$1", "$6")
+            + nibbles(*hi, "$3", "$6") + "}\n")
+
+
+_E2M1_PTX = tl.constexpr(_e2m1_ptx())
 """sm_90 E2M1 decode of four packed bytes ($4) with per-element bf16 scales ($5, $6) into
 the low nibbles ($0, $1) and high nibbles ($2, $3), two bf16 per register. Each pair of
 bytes is spread to 16-bit lanes (prmt); a nibble's magnitude bits go to bf16 bits 6-8 and
@@ -168,6 +152,17 @@ def _load_mxfp4_part(KV, KV_SC, sc_stride, phys, n_ok, b0, NB: tl.constexpr,
         # each MMA operand layout (it does not rematerialize across an scf.if).
         e, o = _decode_e2m1(pk, sc, NV_ASM)
     return tl.reshape(e, [R, NB * 16]), tl.reshape(o, [R, NB * 16])
+
+
+@triton.jit
+def _load_q_parity(q_row, d0, D: tl.constexpr, row_ok, UPCAST: tl.constexpr):
+    """Query dims [d0, d0 + D) of rows `q_row` as MMA operands split by parity (even, odd)
+    [BLOCK_M, D // 2], the order _load_mxfp4_part decodes the tile in. Loaded contiguously
+    and split in registers: a strided load of each parity left the operands in a
+    column-major shared layout that the per-tile ldmatrix read with bank conflicts."""
+    q = tl.load(q_row + d0 + tl.arange(0, D)[None, :], mask=row_ok[:, None], other=0.0)
+    even, odd = tl.split(tl.reshape(q, [q.shape[0], D // 2, 2]))
+    return _mma_operand(even, 0, UPCAST), _mma_operand(odd, 0, UPCAST)
 
 
 @triton.jit
@@ -359,29 +354,26 @@ def _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT, qrT, row_scale, l
 
 
 @triton.jit
-def _attend_tile_ptr(KV, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi, sc_stride, qnT,
-                     qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr,
-                     COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-                     UPCAST: tl.constexpr, STAGED: tl.constexpr):
-    """_attend_tile on the tile [n0, n0 + BLOCK_N) loaded through pointers (masked at hi)."""
-    offs_n, n_ok, phys = _tile_rows(PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
-                                    BLOCK_N, PAGED)
-    kn_raw, kr_raw = _load_kv_tile(KV, phys, n_ok)
+def _attend_kv_tile(KV, desc_n, desc_r, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
+                    sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain,
+                    KV_FMT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PAGED: tl.constexpr, UPCAST: tl.constexpr, STAGED: tl.constexpr,
+                    TMA: tl.constexpr):
+    """_attend_tile on the tile [n0, n0 + BLOCK_N), loaded through the program's TMA
+    descriptors (TMA: contiguous cache, rows from `hi` on come back as zeros) or through
+    pointers (masked at `hi`; `desc_n`/`desc_r` are unused)."""
+    if TMA:
+        row0 = (kv_start + n0).to(tl.int32)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        kn_raw = desc_n.load([row0, 0])
+        kr_raw = desc_r.load([row0, D_NOPE])
+    else:
+        offs_n, n_ok, phys = _tile_rows(PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
+                                        BLOCK_N, PAGED)
+        kn_raw, kr_raw = _load_kv_tile(KV, phys, n_ok)
     return _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT, qrT, row_scale, limit,
                         m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE, UPCAST, STAGED)
-
-
-@triton.jit
-def _attend_tile_tma(desc_n, desc_r, kv_start, n0, hi, sc_stride, qnT, qrT, row_scale, limit,
-                     m_i, l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, STAGED: tl.constexpr):
-    """_attend_tile on the tile [n0, n0 + BLOCK_N) of the contiguous cache, loaded through
-    the program's TMA descriptors (rows from `hi` on come back as zeros)."""
-    row0 = (kv_start + n0).to(tl.int32)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    return _attend_tile(desc_n.load([row0, 0]), desc_r.load([row0, D_NOPE]), offs_n,
-                        offs_n < hi, sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc,
-                        lazy, p_gain, KV_FMT, COMPUTE, UPCAST, STAGED)
 
 
 @triton.jit
@@ -488,19 +480,9 @@ def mla_decode_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         q_row = Q + grow[:, None] * D_QK
         if KV_FMT == 2:
-            even_n = 2 * tl.arange(0, D_NOPE // 4)
-            even_r = D_NOPE + 2 * tl.arange(0, D_ROPE // 2)
-            qm = row_ok[:, None]
-            qea = _mma_operand(tl.load(q_row + even_n[None, :], mask=qm, other=0.0), 0, UPCAST)
-            qoa = _mma_operand(tl.load(q_row + 1 + even_n[None, :], mask=qm, other=0.0), 0,
-                               UPCAST)
-            qeb = _mma_operand(tl.load(q_row + D_NOPE // 2 + even_n[None, :], mask=qm, other=0.0), 0,
-                               UPCAST)
-            qob = _mma_operand(tl.load(q_row + D_NOPE // 2 + 1 + even_n[None, :], mask=qm, other=0.0), 0,
-                               UPCAST)
-            qre = _mma_operand(tl.load(q_row + even_r[None, :], mask=qm, other=0.0), 0, UPCAST)
-            qro = _mma_operand(tl.load(q_row + 1 + even_r[None, :], mask=qm, other=0.0), 0,
-                               UPCAST)
+            qea, qoa = _load_q_parity(q_row, 0, D_NOPE // 2, row_ok, UPCAST)
+            qeb, qob = _load_q_parity(q_row, D_NOPE // 2, D_NOPE // 2, row_ok, UPCAST)
+            qre, qro = _load_q_parity(q_row, D_NOPE, D_ROPE, row_ok, UPCAST)
             acc_ea = tl.zeros([BLOCK_M, D_NOPE // 4], tl.float32)
             acc_oa = tl.zeros([BLOCK_M, D_NOPE // 4], tl.float32)
             acc_eb = tl.zeros([BLOCK_M, D_NOPE // 4], tl.float32)
@@ -545,6 +527,8 @@ def mla_decode_kernel(
             if COMPUTE == 2:
                 out_scale = out_scale / p_gain
             acc = tl.zeros([D_NOPE, BLOCK_M], tl.float32)
+            desc_n = KV
+            desc_r = KV
             if TMA:
                 # Bounded at the split's end: see "KV loads" in the module docstring.
                 end = (kv_start + hi).to(tl.int32)
@@ -552,34 +536,20 @@ def mla_decode_kernel(
                                                    [BLOCK_N, D_NOPE])
                 desc_r = tl.make_tensor_descriptor(KV, [end, D_QK], [D_QK, 1],
                                                    [BLOCK_N, D_ROPE])
-                if UPCAST:
-                    n0 = lo
-                    while n0 < hi:
-                        m_i, l_i, acc = _attend_tile_tma(
-                            desc_n, desc_r, kv_start, n0, hi, sc_stride, qnT, qrT,
-                            row_scale, limit, m_i, l_i, acc, fast, p_gain, KV_FMT, COMPUTE,
-                            BLOCK_N, UPCAST, FP8_STAGED)
-                        n0 += BLOCK_N
-                else:
-                    for n0 in range(lo, hi, BLOCK_N):
-                        m_i, l_i, acc = _attend_tile_tma(
-                            desc_n, desc_r, kv_start, n0, hi, sc_stride, qnT, qrT,
-                            row_scale, limit, m_i, l_i, acc, fast, p_gain, KV_FMT, COMPUTE,
-                            BLOCK_N, UPCAST, FP8_STAGED)
-            elif UPCAST:
+            if UPCAST:
                 n0 = lo
                 while n0 < hi:
-                    m_i, l_i, acc = _attend_tile_ptr(
-                        KV, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi, sc_stride, qnT,
-                        qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain, KV_FMT, COMPUTE,
-                        BLOCK_N, PAGED, UPCAST, FP8_STAGED)
+                    m_i, l_i, acc = _attend_kv_tile(
+                        KV, desc_n, desc_r, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
+                        sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
+                        KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST, FP8_STAGED, TMA)
                     n0 += BLOCK_N
             else:
                 for n0 in range(lo, hi, BLOCK_N):
-                    m_i, l_i, acc = _attend_tile_ptr(
-                        KV, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi, sc_stride, qnT,
-                        qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain, KV_FMT, COMPUTE,
-                        BLOCK_N, PAGED, UPCAST, FP8_STAGED)
+                    m_i, l_i, acc = _attend_kv_tile(
+                        KV, desc_n, desc_r, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
+                        sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
+                        KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST, FP8_STAGED, TMA)
 
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         if KV_FMT == 2:
