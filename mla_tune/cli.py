@@ -414,6 +414,10 @@ def doctor(device: str | None = typer.Option(None, help="cuda or cpu."),
     out.print("software: " + ", ".join(f"{k} {v}" for k, v in sw.versions))
     out.print(f"tuning DB: {resolve_url(db).render_as_string(hide_password=True)}")
     out.print(f"winners usable here: {Dispatcher.from_db(db, dev).summary()}", highlight=False)
+    stale = _stale_hash_trials(db)
+    if stale:
+        out.print(f"{stale} stored trials are of this checkout's kernel code under its old "
+                  "(bytes) source hash (`mla-tune rehash` renames them)", highlight=False)
     retired = _retired_trials(db)
     if retired:
         out.print(f"{retired} stored trials are of retired kernel sources (`mla-tune prune` "
@@ -439,6 +443,18 @@ def _retired_trials(db: str | None) -> int:
     try:
         with TuningStore(db, read_only=True) as store:
             return retired_trials(store, source_hashes())
+    except DBError:
+        return 0
+
+
+def _stale_hash_trials(db: str | None) -> int:
+    """Trials `rehash` would rename (read-only; 0 when the DB cannot be read)."""
+    from mla_tune.db import DBError, TuningStore
+    from mla_tune.rehash import checkout_hashes, find
+
+    try:
+        with TuningStore(db, read_only=True) as store:
+            return sum(r.trials for r in find(store, checkout_hashes()))
     except DBError:
         return 0
 
@@ -592,9 +608,15 @@ def prune(
     from mla_tune.backends import source_hashes
     from mla_tune.prune import find_retired
     from mla_tune.prune import prune as prune_sources
+    from mla_tune.rehash import checkout_hashes, find
 
     _open_store(db, read_only=True).close()  # must exist and be a tuning DB: create nothing
     store = _open_store(db)
+    stale = sum(r.trials for r in find(store, checkout_hashes()))
+    if stale:
+        fail(f"{stale} stored trials in {store.url} are of this checkout's kernel code under "
+             "its old (bytes) source hash; run `mla-tune rehash --yes` first, so prune keeps "
+             "them")
     retired = find_retired(store, source_hashes())
     if not retired:
         console.print(f"nothing to prune in {store.url}: every stored source is current or "
@@ -616,6 +638,39 @@ def prune(
     console.print(f"deleted {done.rows.trials} trials, {done.rows.claims} queued claims and "
                   f"{done.studies} studies; kept {done.rows.kept_for_winners} trials that "
                   f"stored winners name{shrink}")
+
+
+@app.command()
+def rehash(
+    db: str | None = typer.Option(None, help=DB_HELP),
+    yes: bool = typer.Option(False, "--yes", help="Rename them; without it, only list them."),
+) -> None:
+    """Give results stored under the old bytes hash of this checkout's kernel sources the
+    current (code-only) hash, so they count as current again."""
+    from mla_tune.rehash import checkout_hashes, find
+    from mla_tune.rehash import rehash as rehash_sources
+
+    _open_store(db, read_only=True).close()  # must exist and be a tuning DB: create nothing
+    store = _open_store(db)
+    rekeys = find(store, checkout_hashes())
+    if not rekeys:
+        console.print(f"nothing to rehash in {store.url}: no stored source is this "
+                      "checkout's code under its bytes hash")
+        return
+    table = Table(title=f"sources of this checkout stored under their bytes hash in {store.url}")
+    for col in ("backend", "stored as", "renamed to", "trials"):
+        table.add_column(col, justify="right" if col == "trials" else "left")
+    for r in rekeys:
+        table.add_row(r.backend, r.old[:12], r.new[:12], str(r.trials))
+    console.print(table)
+    if not yes:
+        console.print("nothing renamed: run again with --yes to rename these")
+        return
+    done = rehash_sources(store, rekeys)
+    console.print(f"renamed {sum(d.trials for d in done)} trials, {sum(d.winners for d in done)} "
+                  f"winners and {sum(d.claims for d in done)} queued claims; "
+                  f"{sum(d.left for d in done)} trials stay under the old hash (the new one "
+                  "already had their config)")
 
 
 def _db_file_size(store: Any) -> int | None:

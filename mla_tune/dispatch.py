@@ -141,7 +141,9 @@ class _Winner:
 @dataclass(frozen=True)
 class _Family:
     backend: Backend
-    source_hash: str
+    sources: frozenset[str]
+    """The installed sources' hashes: code hash, and the bytes hash winners files written
+    before it carry (the same files)."""
     space: ParamSpace
 
 
@@ -429,7 +431,8 @@ class Dispatcher:
                 b = get_backend(name)
                 avail = b.available(self.device)
                 self._families[name] = (
-                    _Family(b, b.source_hash(), b.declared_space(self.device)) if avail
+                    _Family(b, frozenset({b.source_hash(), b.source_bytes_hash()}),
+                            b.declared_space(self.device)) if avail
                     else f"backend {name!r} is not available here: {avail.reason}")
             except Exception as e:  # noqa: BLE001 - an unusable backend is data, not a crash
                 self._families[name] = f"backend {name!r} cannot be loaded: {e}"
@@ -449,7 +452,7 @@ class Dispatcher:
             if isinstance(fam, str):
                 log.warning("mla-tune: skipping winner for %s: %s", r.shape.key, fam)
                 self._ignore("backend unknown or unavailable")
-            elif r.source_hash != fam.source_hash:
+            elif r.source_hash not in fam.sources:
                 self._ignore("kernel sources changed since tuning")
             else:
                 usable.append((r, fam))

@@ -22,7 +22,7 @@ import math
 import os
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -281,11 +281,15 @@ def import_winners(store: TuningStore, path: str | os.PathLike[str],
     recompute those shapes' winners, so an imported winner competes with local trials
     instead of overwriting them. Re-importing the same file changes nothing. `records`:
     the file already read with `load_winners_json` (it is not read again)."""
-    from mla_tune.backends import source_hashes
+    from mla_tune.rehash import checkout_hashes
 
     if records is None:
         records = load_winners_json(path)
-    sources = source_hashes()
+    # A file written before sources were hashed by their code names them by their bytes:
+    # such a winner of the installed files is stored under the code hash.
+    hashes = checkout_hashes()
+    renamed = {(b, old): new for b, (old, new) in hashes.items()}
+    sources = {b: new for b, (_, new) in hashes.items()}
     worker = f"import:{Path(path).name}"[:MAX_TEXT]
     current: dict[tuple[int, int, str], list[WinnerRecord]] = {}
     stale = 0
@@ -298,6 +302,7 @@ def import_winners(store: TuningStore, path: str | os.PathLike[str],
         if r.software not in software_ids:
             software_ids[r.software] = store.software_id(r.software)
         device_id, software_id = device_ids[r.device], software_ids[r.software]
+        r = replace(r, source_hash=renamed.get((r.backend, r.source_hash), r.source_hash))
         store.record_trial(device_id=device_id, software_id=software_id,
                            shape_key=r.shape.key, shape_json=r.shape.to_json(),
                            kv_format=r.shape.kv_format.value, backend=r.backend,

@@ -425,3 +425,16 @@ def test_route_command_says_what_runs_and_why(tuned_db, tmp_path):
     assert r.exit_code == 0 and "0 tuned shape(s)" in r.stdout and not empty.exists()
     r = runner.invoke(app, ["route", "--shape", "2x", "--db", str(tuned_db)])
     assert r.exit_code == 2 and "bad shape" in r.output
+
+
+def test_winners_stored_under_the_bytes_hash_of_the_installed_sources_are_used(tmp_path):
+    # Winners files written before sources were hashed by their code carry the bytes hash
+    # of the same files: they still route, while any other hash is stale.
+    db = tmp_path / "bytes.db"
+    shape = Shape.uniform(4, 256)
+    with TuningStore(str(db)) as store:
+        _record_winner(store, current_device("cpu"), current_software(), shape,
+                       source_hash=get_backend("torch").source_bytes_hash())
+    d = Dispatcher.from_db(str(db), "cpu")
+    assert d.loaded == 1 and d.ignored == {}
+    assert d.decide(shape).reason == "exact"

@@ -172,3 +172,22 @@ def test_entries_the_dispatcher_cannot_use_are_skipped_with_a_warning(tuned, tmp
     d = Dispatcher.from_json(odd, "cpu")
     assert d.loaded == 2 and d.ignored == {why: 1}
     assert any("skipping winner" in r.message for r in caplog.records)
+
+
+def test_imported_winner_under_the_bytes_hash_of_installed_sources_is_stored_current(
+        tuned, tmp_path):
+    from mla_tune.backends import get_backend
+
+    _, path = tuned
+    doc = json.loads(path.read_text())
+    w = doc["winners"][0]
+    backend = get_backend(w["backend"])
+    assert w["source_hash"] == backend.source_hash()
+    w["source_hash"] = backend.source_bytes_hash()  # as a file written before the code hash
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(doc))
+    with TuningStore(str(tmp_path / "o.db")) as store:
+        summary = import_winners(store, old)
+        assert (summary.trials, summary.won, summary.not_current) == (3, 3, 0)
+        assert {t.source_hash for t in store.trials(backend=w["backend"])} == {
+            backend.source_hash()}

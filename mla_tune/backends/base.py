@@ -6,9 +6,8 @@ callable over the task tuple. It knows nothing of the DB, the search or the CLI.
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -16,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from mla_tune.problem import Shape, TaskInput
+from mla_tune.source_hash import hash_source_bytes, hash_sources
 from mla_tune.space import ParamSpace, load_backend_space
 
 KernelFn = Callable[[TaskInput], torch.Tensor]
@@ -34,15 +34,6 @@ class Availability:
 
     def __bool__(self) -> bool:
         return self.ok
-
-
-def hash_files(paths: Iterable[Path]) -> str:
-    """Content hash of kernel sources: winners tuned for other sources are not reused."""
-    h = hashlib.sha256()
-    for p in sorted(Path(p) for p in paths):
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()[:16]
 
 
 class Backend(ABC):
@@ -104,7 +95,14 @@ class Backend(ABC):
         """Files whose content defines this family's kernels."""
 
     def source_hash(self) -> str:
-        return hash_files(self.source_files())
+        """Hash of the code of `source_files` (comments and docstrings left out): results
+        are reused only while it is unchanged."""
+        return hash_sources(self.source_files())
+
+    def source_bytes_hash(self) -> str:
+        """Hash of the bytes of `source_files`: what results were stored under before
+        `source_hash` left comments out (`mla-tune rehash` re-keys them)."""
+        return hash_source_bytes(self.source_files())
 
     def versions(self) -> dict[str, str]:
         """Versions of libraries this family depends on beyond torch/triton."""

@@ -5,6 +5,7 @@ from mla_tune.db.store import (
     DBError,
     DeletedRows,
     DeviceRow,
+    RenamedRows,
     SourceRow,
     TrialGroup,
     TrialRow,
@@ -13,5 +14,5 @@ from mla_tune.db.store import (
     resolve_url,
 )
 
-__all__ = ["ClaimRow", "DBError", "DeletedRows", "DeviceRow", "SourceRow", "TrialGroup",
-           "TrialRow", "TuningStore", "WinnerRow", "resolve_url"]
+__all__ = ["ClaimRow", "DBError", "DeletedRows", "DeviceRow", "RenamedRows", "SourceRow",
+           "TrialGroup", "TrialRow", "TuningStore", "WinnerRow", "resolve_url"]

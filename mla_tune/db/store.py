@@ -52,7 +52,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 from sqlalchemy.pool import NullPool
 
 from mla_tune.db.models import (
@@ -210,6 +210,17 @@ class DeletedRows:
 
 
 @dataclass(frozen=True)
+class RenamedRows:
+    """What `rename_source` moved to the new source hash, and the trials it left under the
+    old one (the new hash already had a trial of the same key)."""
+
+    trials: int
+    winners: int
+    claims: int
+    left: int
+
+
+@dataclass(frozen=True)
 class WinnerRow:
     """The fastest correct config for a shape, with the device and stack it was tuned on,
     so the dispatcher and reports need no further queries."""
@@ -353,6 +364,19 @@ def _aware(dt: datetime) -> datetime:
 def _named_by_a_winner() -> ColumnElement[bool]:
     """A trial some stored winner points at (such trials are never deleted)."""
     return exists().where(Winner.trial_id == Trial.id)
+
+
+def _rekey(s: Session, model: type[Trial] | type[Claim], backend: str, old: str,
+           new: str) -> int:
+    """Move rows of `model` from source `old` to `new` where `new` has no row of the same
+    unique key (device, stack, shape, backend, config)."""
+    other = aliased(model)
+    clash = exists().where(
+        other.device_id == model.device_id, other.software_id == model.software_id,
+        other.shape_key == model.shape_key, other.backend == model.backend,
+        other.config_key == model.config_key, other.source_hash == new)
+    return s.execute(update(model).where(model.backend == backend, model.source_hash == old,
+                                         ~clash).values(source_hash=new)).rowcount
 
 
 def _trial_row(t: Trial) -> TrialRow:
@@ -764,6 +788,23 @@ class TuningStore:
                 claims += s.execute(delete(Claim).where(
                     Claim.backend == backend, Claim.source_hash == source)).rowcount
         return DeletedRows(trials, claims, kept)
+
+    @_writes
+    def rename_source(self, backend: str, old: str, new: str) -> RenamedRows:
+        """Re-key the trials, queued claims and winners of (backend, `old`) to `new`, in one
+        transaction: results of unchanged kernel code that a new hashing scheme names
+        differently. A trial or claim whose key `new` already has stays under `old` (a
+        prune deletes it later), and so does a winner that points at such a trial."""
+        with self._session() as s:
+            trials = _rekey(s, Trial, backend, old, new)
+            claims = _rekey(s, Claim, backend, old, new)
+            left = s.scalar(select(func.count()).select_from(Trial).where(
+                Trial.backend == backend, Trial.source_hash == old)) or 0
+            renamed = exists().where(Trial.id == Winner.trial_id, Trial.source_hash == new)
+            winners = s.execute(update(Winner).where(
+                Winner.backend == backend, Winner.source_hash == old, renamed)
+                .values(source_hash=new)).rowcount
+        return RenamedRows(trials, winners, claims, left)
 
     @_writes
     def compact(self) -> None:

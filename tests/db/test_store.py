@@ -375,3 +375,34 @@ def test_prune_writes_are_refused_read_only(sqlite_url):
             ro.delete_sources([("triton", "old")])
         with pytest.raises(DBError, match="read-only"):
             ro.compact()
+
+
+def test_rename_source_moves_trials_claims_and_winners_but_never_onto_a_taken_key(store, ids):
+    from mla_tune.db import TrialGroup
+
+    for i in range(3):
+        _record(store, ids, {"i": i}, median=5.0 + i, source="bytes")
+    _record(store, ids, {"i": 2}, median=1.0, source="code")  # the new hash measured i=2
+    _record(store, ids, {"i": 0}, median=4.0, backend="flashinfer", source="bytes")
+    store.enqueue(TrialGroup(ids["device_id"], ids["software_id"], SHAPE_KEY, "triton",
+                             "bytes"), [{"i": 7}])
+    store.update_winner(ids["device_id"], ids["software_id"], SHAPE_KEY, {"triton": "bytes"})
+
+    done = store.rename_source("triton", "bytes", "code")
+    assert (done.trials, done.winners, done.claims, done.left) == (2, 1, 1, 1)
+    assert sorted((t.backend, t.source_hash, t.config["i"]) for t in store.trials()) == [
+        ("flashinfer", "bytes", 0), ("triton", "bytes", 2), ("triton", "code", 0),
+        ("triton", "code", 1), ("triton", "code", 2)]
+    (winner,) = store.winners()
+    assert (winner.source_hash, winner.config) == ("code", {"i": 0})
+    group = TrialGroup(ids["device_id"], ids["software_id"], SHAPE_KEY, "triton", "code")
+    assert [c.config for c in store.claims(group)] == [{"i": 7}]
+    again = store.rename_source("triton", "bytes", "code")
+    assert (again.trials, again.winners, again.claims, again.left) == (0, 0, 0, 1)
+
+
+def test_rename_source_is_refused_read_only(sqlite_url):
+    TuningStore(sqlite_url).close()
+    with TuningStore(sqlite_url, read_only=True) as ro:
+        with pytest.raises(DBError, match="read-only"):
+            ro.rename_source("triton", "a", "b")
