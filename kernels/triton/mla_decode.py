@@ -14,6 +14,14 @@ tile; fp8 quantizes each Q row to e4m3 (scale folded into the softmax scale) and
 fp8qk does QK^T that way but P V on fp16 (e4m3 MMAs take K-major operands only, and V's
 contraction runs over tokens, across the stored rows).
 
+MMA orientation: bf16/fp8 products run transposed, with keys (QK^T) and value dims (P V)
+as the M side and the query rows as N: the KV tile is the A operand straight from shared
+memory and Hopper can use wgmma, which needs M >= 64. A 32-key tile's QK^T is the
+exception: it runs on mma.sync with the query rows as M, so each warp owns its own keys
+(with keys as M, pairs of warps computed the same half). MXFP4 keeps the query rows as M
+for both products: the decoded tile is the B operand, written to shared memory once in a
+dims-major layout (16-byte stores) and read by both.
+
 KV loads (TMA): bf16/fp8 tiles of the contiguous cache come either through pointers
 (masked loads, a cp.async ring on sm_90) or through tensor descriptors (the TMA unit on
 sm_90: a few bulk copies per tile instead of per-thread 16-byte copies). Each program's
