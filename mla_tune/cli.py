@@ -610,8 +610,7 @@ def prune(
     from mla_tune.prune import prune as prune_sources
     from mla_tune.rehash import checkout_hashes, find
 
-    _open_store(db, read_only=True).close()  # must exist and be a tuning DB: create nothing
-    store = _open_store(db)
+    store = _existing_store(db)
     stale = sum(r.trials for r in find(store, checkout_hashes()))
     if stale:
         fail(f"{stale} stored trials in {store.url} are of this checkout's kernel code under "
@@ -622,12 +621,10 @@ def prune(
         console.print(f"nothing to prune in {store.url}: every stored source is current or "
                       "the newest measured of its backend")
         return
-    table = Table(title=f"retired kernel sources in {store.url}")
-    for col in ("backend", "source", "trials", "studies"):
-        table.add_column(col, justify="right" if col in ("trials", "studies") else "left")
-    for r in retired:
-        table.add_row(r.backend, r.source_hash[:12], str(r.trials), str(len(r.studies)))
-    console.print(table)
+    console.print(_listing(f"retired kernel sources in {store.url}",
+                           ("backend", "source", "trials", "studies"),
+                           [(r.backend, r.source_hash[:12], r.trials, len(r.studies))
+                            for r in retired]))
     if not yes:
         console.print("nothing deleted: run again with --yes to delete these")
         return
@@ -650,19 +647,15 @@ def rehash(
     from mla_tune.rehash import checkout_hashes, find
     from mla_tune.rehash import rehash as rehash_sources
 
-    _open_store(db, read_only=True).close()  # must exist and be a tuning DB: create nothing
-    store = _open_store(db)
+    store = _existing_store(db)
     rekeys = find(store, checkout_hashes())
     if not rekeys:
         console.print(f"nothing to rehash in {store.url}: no stored source is this "
                       "checkout's code under its bytes hash")
         return
-    table = Table(title=f"sources of this checkout stored under their bytes hash in {store.url}")
-    for col in ("backend", "stored as", "renamed to", "trials"):
-        table.add_column(col, justify="right" if col == "trials" else "left")
-    for r in rekeys:
-        table.add_row(r.backend, r.old[:12], r.new[:12], str(r.trials))
-    console.print(table)
+    console.print(_listing(f"sources of this checkout stored under their bytes hash in "
+                           f"{store.url}", ("backend", "stored as", "renamed to", "trials"),
+                           [(r.backend, r.old[:12], r.new[:12], r.trials) for r in rekeys]))
     if not yes:
         console.print("nothing renamed: run again with --yes to rename these")
         return
@@ -671,6 +664,24 @@ def rehash(
                   f"winners and {sum(d.claims for d in done)} queued claims; "
                   f"{sum(d.left for d in done)} trials stay under the old hash (the new one "
                   "already had their config)")
+
+
+def _existing_store(db: str | None) -> Any:
+    """A writable store on a tuning DB that must already exist: nothing is created."""
+    _open_store(db, read_only=True).close()
+    return _open_store(db)
+
+
+def _listing(title: str, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> Table:
+    """A table of rows; integer columns right-aligned."""
+    table = Table(title=title)
+    numeric = [bool(rows) and all(isinstance(r[i], int) for r in rows)
+               for i in range(len(columns))]
+    for col, num in zip(columns, numeric):
+        table.add_column(col, justify="right" if num else "left")
+    for r in rows:
+        table.add_row(*(str(v) for v in r))
+    return table
 
 
 def _db_file_size(store: Any) -> int | None:
