@@ -241,8 +241,10 @@ def test_forced_override(tuned_db, monkeypatch):
     assert forced.config == {"num_splits": 4, "chunk_size": 0, "compute_dtype": "bfloat16"}
     data = generate_input(shape)
     assert_matches_reference(d.run(data), data)
-    # Not feasible for 40 keys (4 splits of 10): routed as usual.
-    assert d.decide(Shape.uniform(2, 40)).reason == "nearest"
+    # Not feasible for 40 keys (4 splits of 10): routed as usual, by a nearest tuned winner
+    # or, when the CPU sweep picked 4 splits for every tuned shape, by the heuristic (the
+    # timing decides; "nearest" alone made this test fail on a loaded machine).
+    assert d.decide(Shape.uniform(2, 40)).reason in ("nearest", "heuristic")
 
 
 @pytest.mark.parametrize("spec, message", [("nope:x=1", "unknown backend"),
