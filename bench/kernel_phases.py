@@ -15,7 +15,6 @@ a kernel change that moves one fails loudly); a probe waits for the value it dep
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import tempfile
 from pathlib import Path
@@ -111,19 +110,17 @@ def probed_module():
         if src.count(old) != 1:
             raise SystemExit(f"the kernel changed: patch point not found once:\n{old[:200]}")
         src = src.replace(old, new)
+    from kernel_probe import load_kernel
+
     path = Path(tempfile.mkdtemp()) / "mla_decode_probed.py"
     path.write_text(src)
-    spec = importlib.util.spec_from_file_location("mla_decode_probed", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["mla_decode_probed"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_kernel(path)
 
 
 def main() -> None:
     import torch
 
-    from kernel_probe import parse_variant
+    from kernel_probe import config_in, parse_variant
     from triton_dev import make_inputs
 
     from mla_tune.timing import CudaTimer
@@ -134,7 +131,7 @@ def main() -> None:
         fmt, batch, kv_len, cfg = parse_variant(text)
         if fmt == "mxfp4" or cfg.tma():
             raise SystemExit(f"{text}: only bf16/fp8 variants with pointer loads are probed")
-        cfg = md.KernelConfig(**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__})
+        cfg = config_in(md, cfg)
         q, args, qo, kvp = make_inputs(batch, kv_len, 16, fmt, "cuda")
         launcher = md.MlaDecodeLauncher(cfg, heads=16, q_len=1, kv_lens=[kv_len] * batch,
                                         device="cuda")

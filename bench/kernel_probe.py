@@ -27,6 +27,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -69,6 +70,13 @@ def load_kernel(path: Path) -> ModuleType:
     return module
 
 
+def config_in(md: ModuleType, cfg: KernelConfig) -> Any:
+    """`cfg` as the KernelConfig of kernel module `md` (another version of the kernel; knobs
+    it does not have are left out)."""
+    return md.KernelConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg)
+                              if f.name in md.KernelConfig.__dataclass_fields__})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("variants", nargs="+")
@@ -94,9 +102,7 @@ def main() -> None:
             cache[key] = (q, args, qo, kvp, reference(q, args, fmt, batch, kv_len))
         q, args, qo, kvp, ref = cache[key]
         for tag, md in kernels:
-            kcfg = md.KernelConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg)
-                                      if f.name in md.KernelConfig.__dataclass_fields__})
-            launcher = md.MlaDecodeLauncher(kcfg, heads=a.heads, q_len=1,
+            launcher = md.MlaDecodeLauncher(config_in(md, cfg), heads=a.heads, q_len=1,
                                             kv_lens=[kv_len] * batch, device="cuda")
             launcher.prepare(args[2].stride(0) if args[2] is not None else 0)
             out = launcher(q, *args, qo, kvp).float()

@@ -414,11 +414,10 @@ def doctor(device: str | None = typer.Option(None, help="cuda or cpu."),
     out.print("software: " + ", ".join(f"{k} {v}" for k, v in sw.versions))
     out.print(f"tuning DB: {resolve_url(db).render_as_string(hide_password=True)}")
     out.print(f"winners usable here: {Dispatcher.from_db(db, dev).summary()}", highlight=False)
-    stale = _stale_hash_trials(db)
+    stale, retired = _stale_and_retired_trials(db)
     if stale:
         out.print(f"{stale} stored trials are of this checkout's kernel code under its old "
                   "(bytes) source hash (`mla-tune rehash` renames them)", highlight=False)
-    retired = _retired_trials(db)
     if retired:
         out.print(f"{retired} stored trials are of retired kernel sources (`mla-tune prune` "
                   "lists and deletes them)", highlight=False)
@@ -434,29 +433,21 @@ def doctor(device: str | None = typer.Option(None, help="cuda or cpu."),
     out.print(table)
 
 
-def _retired_trials(db: str | None) -> int:
-    """Trials `prune` would delete (read-only; 0 when the DB cannot be read)."""
-    from mla_tune.backends import source_hashes
+def _stale_and_retired_trials(db: str | None) -> tuple[int, int]:
+    """Trials `rehash` would rename and trials `prune` would delete (read-only; zeros when
+    the DB cannot be read)."""
+    from mla_tune.backends import source_hash_pairs
     from mla_tune.db import DBError, TuningStore
     from mla_tune.prune import retired_trials
+    from mla_tune.rehash import find
 
+    pairs = source_hash_pairs()
     try:
         with TuningStore(db, read_only=True) as store:
-            return retired_trials(store, source_hashes())
+            return (sum(r.trials for r in find(store, pairs)),
+                    retired_trials(store, {b: new for b, (_, new) in pairs.items()}))
     except DBError:
-        return 0
-
-
-def _stale_hash_trials(db: str | None) -> int:
-    """Trials `rehash` would rename (read-only; 0 when the DB cannot be read)."""
-    from mla_tune.db import DBError, TuningStore
-    from mla_tune.rehash import checkout_hashes, find
-
-    try:
-        with TuningStore(db, read_only=True) as store:
-            return sum(r.trials for r in find(store, checkout_hashes()))
-    except DBError:
-        return 0
+        return 0, 0
 
 
 _STACK_HASH = re.compile(r"[0-9a-f]{4,64}")
@@ -605,18 +596,19 @@ def prune(
 ) -> None:
     """Delete trials, queued work and search studies of retired kernel sources (neither this
     checkout's nor the newest measured); winners and the trials they name stay."""
-    from mla_tune.backends import source_hashes
+    from mla_tune.backends import source_hash_pairs
     from mla_tune.prune import find_retired
     from mla_tune.prune import prune as prune_sources
-    from mla_tune.rehash import checkout_hashes, find
+    from mla_tune.rehash import find
 
     store = _existing_store(db)
-    stale = sum(r.trials for r in find(store, checkout_hashes()))
+    pairs = source_hash_pairs()
+    stale = sum(r.trials for r in find(store, pairs))
     if stale:
         fail(f"{stale} stored trials in {store.url} are of this checkout's kernel code under "
              "its old (bytes) source hash; run `mla-tune rehash --yes` first, so prune keeps "
              "them")
-    retired = find_retired(store, source_hashes())
+    retired = find_retired(store, {b: new for b, (_, new) in pairs.items()})
     if not retired:
         console.print(f"nothing to prune in {store.url}: every stored source is current or "
                       "the newest measured of its backend")
@@ -644,11 +636,12 @@ def rehash(
 ) -> None:
     """Give results stored under the old bytes hash of this checkout's kernel sources the
     current (code-only) hash, so they count as current again."""
-    from mla_tune.rehash import checkout_hashes, find
+    from mla_tune.backends import source_hash_pairs
+    from mla_tune.rehash import find
     from mla_tune.rehash import rehash as rehash_sources
 
     store = _existing_store(db)
-    rekeys = find(store, checkout_hashes())
+    rekeys = find(store, source_hash_pairs())
     if not rekeys:
         console.print(f"nothing to rehash in {store.url}: no stored source is this "
                       "checkout's code under its bytes hash")

@@ -27,23 +27,9 @@ class Rekey:
     trials: int
 
 
-def checkout_hashes() -> dict[str, tuple[str, str]]:
-    """(bytes hash, code hash) of every backend that can be loaded here."""
-    from mla_tune.backends import backend_names, get_backend
-
-    hashes: dict[str, tuple[str, str]] = {}
-    for name in backend_names():
-        try:
-            b = get_backend(name)
-            hashes[name] = (b.source_bytes_hash(), b.source_hash())
-        except Exception:  # noqa: BLE001 - an unloadable backend has no current source
-            continue
-    return hashes
-
-
 def plan(sources: list[SourceRow], hashes: Mapping[str, tuple[str, str]]) -> list[Rekey]:
     """The stored sources (`sources`) that are a backend's checkout code under its bytes
-    hash, given (bytes hash, code hash) per backend."""
+    hash, given (bytes hash, code hash) per backend (`backends.source_hash_pairs`)."""
     rekeys = []
     for row in sources:
         old, new = hashes.get(row.backend, ("", ""))

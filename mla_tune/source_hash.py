@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import tokenize
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 _SKIP = (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)
@@ -55,19 +55,20 @@ def _plain_string(tok: tokenize.TokenInfo) -> bool:
 
 def hash_sources(paths: Iterable[Path]) -> str:
     """Hash of the code in `paths` (see the module docstring), 16 hex digits."""
-    h = hashlib.sha256()
-    for p in sorted(Path(p) for p in paths):
-        h.update(p.name.encode())
-        data = p.read_bytes()
-        h.update(code_text(data.decode()).encode() if p.suffix == ".py" else data)
-    return h.hexdigest()[:16]
+    return _hash(paths, lambda p, data: code_text(data.decode()).encode()
+                 if p.suffix == ".py" else data)
 
 
 def hash_source_bytes(paths: Iterable[Path]) -> str:
     """The hash of the files' bytes, comments included: the scheme results were stored
     under before `hash_sources` (re-keyed by `mla-tune rehash`)."""
+    return _hash(paths, lambda p, data: data)
+
+
+def _hash(paths: Iterable[Path], content: Callable[[Path, bytes], bytes]) -> str:
+    """sha256 over each file's name and `content` (of its bytes), in name order."""
     h = hashlib.sha256()
     for p in sorted(Path(p) for p in paths):
         h.update(p.name.encode())
-        h.update(p.read_bytes())
+        h.update(content(p, p.read_bytes()))
     return h.hexdigest()[:16]

@@ -281,13 +281,13 @@ def import_winners(store: TuningStore, path: str | os.PathLike[str],
     recompute those shapes' winners, so an imported winner competes with local trials
     instead of overwriting them. Re-importing the same file changes nothing. `records`:
     the file already read with `load_winners_json` (it is not read again)."""
-    from mla_tune.rehash import checkout_hashes
+    from mla_tune.backends import source_hash_pairs
 
     if records is None:
         records = load_winners_json(path)
     # A file written before sources were hashed by their code names them by their bytes:
     # such a winner of the installed files is stored under the code hash.
-    hashes = checkout_hashes()
+    hashes = source_hash_pairs()
     renamed = {(b, old): new for b, (old, new) in hashes.items()}
     sources = {b: new for b, (_, new) in hashes.items()}
     worker = f"import:{Path(path).name}"[:MAX_TEXT]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -18,6 +20,7 @@ _REGISTRY: dict[str, str] = {
 }
 
 _instances: dict[str, Backend] = {}
+T = TypeVar("T")
 
 
 class UnknownBackendError(ValueError):
@@ -44,16 +47,27 @@ def get_backend(name: str) -> Backend:
     return _instances[name]
 
 
+def _per_backend(value: Callable[[Backend], T]) -> dict[str, T]:
+    """`value` of every backend that can be loaded here (an unloadable one has none)."""
+    out: dict[str, T] = {}
+    for name in _REGISTRY:
+        try:
+            out[name] = value(get_backend(name))
+        except Exception:  # noqa: BLE001 - an unloadable backend has no current source
+            continue
+    return out
+
+
 def source_hashes() -> dict[str, str]:
     """Kernel-source hash of every backend that can be loaded here: trials and winners of
     other sources (edited or removed kernels) are never reused."""
-    hashes: dict[str, str] = {}
-    for name in _REGISTRY:
-        try:
-            hashes[name] = get_backend(name).source_hash()
-        except Exception:  # noqa: BLE001 - an unloadable backend has no current source
-            continue
-    return hashes
+    return _per_backend(lambda b: b.source_hash())
+
+
+def source_hash_pairs() -> dict[str, tuple[str, str]]:
+    """(bytes hash, code hash) of every backend that can be loaded here: results stored
+    under the first are this checkout's code under its old name (`mla-tune rehash`)."""
+    return _per_backend(lambda b: (b.source_bytes_hash(), b.source_hash()))
 
 
 EXTRA_BACKENDS_ENV = "MLA_TUNE_EXTRA_BACKENDS"
@@ -89,4 +103,5 @@ def library_versions(device: torch.device | str) -> dict[str, str]:
 
 
 __all__ = ["Availability", "Backend", "KernelFn", "UnknownBackendError", "backend_names",
-           "get_backend", "library_versions", "register", "source_hashes"]
+           "get_backend", "library_versions", "register", "source_hash_pairs",
+           "source_hashes"]
