@@ -14,6 +14,13 @@ tile; fp8 quantizes each Q row to e4m3 (scale folded into the softmax scale) and
 fp8qk does QK^T that way but P V on fp16 (e4m3 MMAs take K-major operands only, and V's
 contraction runs over tokens, across the stored rows).
 
+fp8 P V: the e4m3 A operand (value dims as M, keys as K) needs four consecutive keys of one
+dim per register, i.e. the tile transposed. Each thread owns 16 rows of that operand; in
+natural dim order they are 16 scattered dims, and the transpose went through shared memory
+one byte at a time. _dims_interleaved reorders the dims (a free relabelling of the M side)
+so a thread's 16 rows are 16 consecutive dims: one 16-byte read per key, transposed in
+registers with byte permutes, and the output is stored at the reordered dims.
+
 MMA orientation: bf16/fp8 products run transposed, with keys (QK^T) and value dims (P V)
 as the M side and the query rows as N: the KV tile is the A operand straight from shared
 memory and Hopper can use wgmma, which needs M >= 64. A 32-key tile's QK^T is the
@@ -297,6 +304,19 @@ def _tile_rows(PAGE_TBL, pg_start, page_shift, kv_start, n0, hi, BLOCK_N: tl.con
 
 
 @triton.jit
+def _dims_interleaved(x):
+    """The value dims (last axis, 512) of `x` reordered so that MMA row
+    r = 64 i + 16 w + 8 h + g holds dim 128 w + 16 g + 2 i + h: the rows one thread owns in
+    the A operand of a transposed P V (warp w, lane group g, eight 64-row blocks i, two
+    halves h) are then 16 consecutive dims, one 16-byte read of each key's row. See "fp8
+    P V" in the module docstring."""
+    R: tl.constexpr = x.shape[0]
+    x = tl.reshape(x, [R, 4, 8, 8, 2])
+    x = tl.permute(x, (0, 3, 1, 4, 2))
+    return tl.reshape(x, [R, D_NOPE])
+
+
+@triton.jit
 def _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT, qrT, row_scale, limit, m_i,
                  l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
                  UPCAST: tl.constexpr, STAGED: tl.constexpr):
@@ -332,6 +352,8 @@ def _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT, qrT, row_scale, l
         kn = _mma_operand(kn_raw, COMPUTE, UPCAST)
         kr = _mma_operand(kr_raw, COMPUTE, UPCAST)
         kv = kn
+        if COMPUTE == 2:
+            kv = _dims_interleaved(kn)
     # Transposed products (keys and value dims as the MMA's M side, query rows as N): the
     # KV tile is the A operand straight from shared memory, and a handful of query rows
     # only set N, so the accumulator stays small and Hopper can use wgmma. Below 64 keys
@@ -564,6 +586,9 @@ def mla_decode_kernel(
             o = acc * (out_scale / l_safe)[:, None]
         else:
             o = tl.trans(acc * (out_scale / l_safe)[None, :])
+        if COMPUTE == 2:
+            # acc's rows are the value dims in _dims_interleaved order: store them there.
+            offs_d = tl.reshape(_dims_interleaved(offs_d[None, :]), [D_NOPE])
         if n_act == 1:
             tl.store(OUT + grow[:, None] * D_NOPE + offs_d[None, :],
                      o.to(OUT.dtype.element_ty), mask=row_ok[:, None])

@@ -111,7 +111,9 @@ class TritonFamily(Backend):
         if not converts_fp8 and str(config.get("fp8_convert", "staged")) != "staged":
             return False  # the knob only exists for fp8 KV on 16-bit MMAs
         if str(config.get("kv_load", "pointer")) == "tma" and (
-                shape.kv_format is not KVFormat.BF16 or _page_size(shape, config) > 1):
+                _page_size(shape, config) > 1 or not (
+                    shape.kv_format is KVFormat.BF16 or
+                    (shape.kv_format is KVFormat.FP8 and str(config["compute"]) == "fp8"))):
             return False  # see kv_load in configs/backends/triton.toml
         splits = int(config["num_splits"])
         return splits * block_n <= shape.kv_len

@@ -26,8 +26,13 @@ def _loads(shape: Shape) -> set[str]:
     return {c["kv_load"] for c in TritonFamily().candidates(shape, torch.device("cuda"))}
 
 
-def test_tma_loads_are_a_knob_only_for_contiguous_bf16_kv():
+def test_tma_loads_are_a_knob_only_for_contiguous_bf16_and_unconverted_fp8_kv():
     assert _loads(Shape.uniform(4, 1024)) == {"pointer", "tma"}
-    assert _loads(Shape.uniform(4, 1024, kv_format=KVFormat.FP8)) == {"pointer"}
+    fp8 = Shape.uniform(4, 1024, kv_format=KVFormat.FP8)
+    by_compute = {(c["compute"], c["kv_load"])
+                  for c in TritonFamily().candidates(fp8, torch.device("cuda"))}
+    assert {load for compute, load in by_compute if compute == "fp8"} == {"pointer", "tma"}
+    assert {load for compute, load in by_compute if compute != "fp8"} == {"pointer"}
     assert _loads(Shape.uniform(4, 1024, kv_format=KVFormat.MXFP4)) == {"pointer"}
     assert _loads(Shape.uniform(4, 1024, page_size=16)) == {"pointer"}
+    assert _loads(Shape.uniform(4, 1024, kv_format=KVFormat.FP8, page_size=16)) == {"pointer"}

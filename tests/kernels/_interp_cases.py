@@ -48,6 +48,8 @@ CASES: dict[str, tuple[dict, dict]] = {
                                    dict(num_splits=2, fast_mode=True, kv_load="tma")),
     "fp8_fp8qk_tma_nan_tail": (dict(kv_lens=(60, 31), fmt="fp8", nan_tail=True),
                                dict(compute="fp8qk", num_splits=2, kv_load="tma")),
+    "fp8_fp8_tma_1split_nan_tail": (dict(kv_lens=(60, 31), fmt="fp8", nan_tail=True),
+                                    dict(compute="fp8", num_splits=1, kv_load="tma")),
     "fp8_fp16_tma_operand_nan_tail": (dict(kv_lens=(60, 31), fmt="fp8", nan_tail=True),
                                       dict(compute="fp16", num_splits=1, kv_load="tma",
                                            fp8_convert="operand")),

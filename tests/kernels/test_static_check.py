@@ -41,9 +41,9 @@ def reports() -> list[dict]:
 def test_default_space_is_compact() -> None:
     from mla_tune.triton_variants import default_variants
 
-    # 40 today: 8 bf16 (pointer and TMA loads), 4 MXFP4, 28 fp8 (4 compute paths, 2
-    # conversion modes of three).
-    assert 0 < len(default_variants()) <= 40
+    # 44 today: 8 bf16 (pointer and TMA loads), 4 MXFP4, 32 fp8 (4 compute paths, 2
+    # conversion modes of three, TMA loads on the unconverted one).
+    assert 0 < len(default_variants()) <= 44
 
 
 def test_kernels_do_not_import_the_tuner() -> None:
