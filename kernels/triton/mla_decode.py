@@ -317,6 +317,17 @@ def _dims_interleaved(x):
 
 
 @triton.jit
+def _dims_natural(x):
+    """The inverse of _dims_interleaved: back to natural dim order, once per program, so
+    the output is stored in whole rows (stored at the interleaved dims instead, one bf16
+    per store, the epilogue took 8 us of a 256x8192 program on the H200, bf16's 0.5)."""
+    R: tl.constexpr = x.shape[0]
+    x = tl.reshape(x, [R, 8, 4, 2, 8])
+    x = tl.permute(x, (0, 2, 4, 1, 3))
+    return tl.reshape(x, [R, D_NOPE])
+
+
+@triton.jit
 def _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT, qrT, row_scale, limit, m_i,
                  l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
                  UPCAST: tl.constexpr, STAGED: tl.constexpr):
@@ -587,8 +598,7 @@ def mla_decode_kernel(
         else:
             o = tl.trans(acc * (out_scale / l_safe)[None, :])
         if COMPUTE == 2:
-            # acc's rows are the value dims in _dims_interleaved order: store them there.
-            offs_d = tl.reshape(_dims_interleaved(offs_d[None, :]), [D_NOPE])
+            o = _dims_natural(o)
         if n_act == 1:
             tl.store(OUT + grow[:, None] * D_NOPE + offs_d[None, :],
                      o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
