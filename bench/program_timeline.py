@@ -1,0 +1,162 @@
+"""When each split program starts and ends, in global time (a dev script for kernel work, not
+a test and not the tuner): per program of the bf16/fp8 split kernel, `%globaltimer` at its
+start and after its epilogue, and the SM it ran on. It shows whether a launch's time beyond
+its steady streaming is spent before the programs stream (start-up) or after the first
+ones finish (a tail of stragglers). Ten launches, each after the timer's L2 flush.
+
+    python3 bench/program_timeline.py fp8:256x8192:compute=fp8,block_n=64,kv_load=tma ...
+
+Variants as in bench/kernel_probe.py (bf16/fp8). The probes live in a patched copy of
+kernels/triton/mla_decode.py (each patch point is asserted, so a kernel change that moves
+one fails loudly).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+_PATCHES = [
+    ('''@triton.jit
+def _mma_operand(''', '''@triton.jit
+def _gtime(dep):
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r",
+                                     [dep.to(tl.int32)], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _smid(dep):
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid; // $1", "=r,r",
+                                     [dep.to(tl.int32)], dtype=tl.int32, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _mma_operand('''),
+    ("    OUT, PART_O, PART_LSE, COUNTERS,\n    H, total_rows,",
+     "    OUT, PART_O, PART_LSE, COUNTERS, DBG,\n    H, total_rows,"),
+    ('''    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+''', '''    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    t0 = _gtime(pid_m)
+    dbg = DBG + ((b * tl.num_programs(1) + split) * tl.num_programs(0) + pid_m) * 8
+'''),
+    ('''                    tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["total_rows", "n_splits"])''',
+     '''                    tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", scope="gpu")
+        tl.debug_barrier()
+        tl.store(dbg + 1, _gtime(pid_m))
+        tl.store(dbg + 0, t0)
+        tl.store(dbg + 2, _smid(pid_m).to(tl.int64))
+
+
+@triton.jit(do_not_specialize=["total_rows", "n_splits"])'''),
+    ("""                                                   [BLOCK_N, D_ROPE])
+            if UPCAST:
+                n0 = lo""", """                                                   [BLOCK_N, D_ROPE])
+            tl.store(dbg + 3, _gtime(tl.max(row_scale, 0) + lo))
+            if UPCAST:
+                n0 = lo"""),
+    ("""        l_safe = tl.where(l_i > 0, l_i, 1.0)
+""", """        tl.store(dbg + 4, _gtime(tl.max(l_i, 0)))
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+"""),
+    ('''                  0, torch.bfloat16, f32, f32, i32, heads,''',
+     '''                  0, torch.bfloat16, f32, f32, i32, torch.int64, heads,'''),
+    ('''                      self.part_o, self.part_lse, self.counters, self.heads,''',
+     '''                      self.part_o, self.part_lse, self.counters, self.dbg, self.heads,'''),
+    ('''        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)''',
+     '''        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)
+        self.dbg = torch.zeros(8 * self.batch * self.row_blocks * self.n_splits,
+                               dtype=torch.int64, device=device)'''),
+]
+
+
+def probed_module():
+    """kernels/triton/mla_decode.py with the timer probes, imported from a temporary file."""
+    src = (ROOT / "kernels" / "triton" / "mla_decode.py").read_text()
+    for old, new in _PATCHES:
+        if src.count(old) != 1:
+            raise SystemExit(f"the kernel changed: patch point not found once:\n{old[:200]}")
+        src = src.replace(old, new)
+    from kernel_probe import load_kernel
+
+    path = Path(tempfile.mkdtemp()) / "mla_decode_timeline.py"
+    path.write_text(src)
+    return load_kernel(path)
+
+
+def main() -> None:
+    import torch
+
+    from kernel_probe import config_in, parse_variant
+    from triton_dev import make_inputs
+
+    from mla_tune.timing import CudaTimer
+
+    md = probed_module()
+    cold = CudaTimer(torch.device("cuda"))
+    for text in sys.argv[1:]:
+        fmt, batch, kv_len, cfg = parse_variant(text)
+        if fmt == "mxfp4":
+            raise SystemExit(f"{text}: only bf16/fp8 variants are probed")
+        cfg = config_in(md, cfg)
+        q, args, qo, kvp = make_inputs(batch, kv_len, 16, fmt, "cuda")
+        launcher = md.MlaDecodeLauncher(cfg, heads=16, q_len=1, kv_lens=[kv_len] * batch,
+                                        device="cuda")
+        launcher.prepare()
+        rows = []
+        for it in range(12):
+            cold.flush_l2()
+            launcher.dbg.zero_()
+            launcher(q, *args, qo, kvp)
+            torch.cuda.synchronize()
+            t = launcher.dbg.view(-1, 8)[:, :5].cpu().double()
+            t = t[t[:, 1] > 0]
+            if it >= 2:  # the first launches load modules and warm clocks
+                rows.append(t)
+        print(f"{text}  ({rows[0].shape[0]} programs; us from the first start, median of "
+              f"10 launches)")
+
+        def q(x: torch.Tensor, p: float) -> float:
+            return x.quantile(p).item() / 1e3
+
+        stats = {name: [] for name in ("start p50", "start max", "end min", "end p10",
+                                       "end p50", "end p90", "end max", "busy p50",
+                                       "to loop p50", "loop p50", "after loop p50")}
+        for t in rows:
+            start, end = t[:, 0] - t[:, 0].min(), t[:, 1] - t[:, 0].min()
+            for name, d in (("to loop p50", t[:, 3] - t[:, 0]), ("loop p50", t[:, 4] - t[:, 3]),
+                            ("after loop p50", t[:, 1] - t[:, 4])):
+                stats[name].append(q(d, .5))
+            for name, value in (("start p50", q(start, .5)), ("start max", q(start, 1.)),
+                                ("end min", q(end, 0.)), ("end p10", q(end, .1)),
+                                ("end p50", q(end, .5)), ("end p90", q(end, .9)),
+                                ("end max", q(end, 1.)), ("busy p50", q(end - start, .5))):
+                stats[name].append(value)
+        print("   " + "  ".join(f"{k} {torch.tensor(v).median().item():7.1f}"
+                               for k, v in stats.items()))
+        t = rows[-1]
+        per_sm = torch.bincount(t[:, 2].long())
+        shared = per_sm[t[:, 2].long()] > 1
+        end = (t[:, 1] - t[:, 0].min()) / 1e3
+        print(f"   last launch: end p50 of programs sharing an SM {end[shared].median():.1f}"
+              f", alone {end[~shared].median() if (~shared).any() else float('nan'):.1f}"
+              f"; SMs used {int((per_sm > 0).sum())}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    main()
