@@ -114,3 +114,39 @@ def test_tma_refuses_paged_layouts_and_unaligned_caches() -> None:
     ind = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="16-byte aligned"):
         launcher(q, kv, None, None, ind, torch.tensor([0, 128], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("cfg_kw", [
+    dict(kv_load="tma", num_splits=1, num_stages=3),
+    dict(kv_load="tma", num_splits=3, num_stages=3, fast_mode=True),
+    dict(kv_load="pointer", num_splits=2, num_stages=3),
+])
+def test_gpu_e4m3_path_matches_reference_with_nan_rows_after_the_cache(cfg_kw: dict) -> None:
+    # The e4m3 path's relabelled value dims (_dims_interleaved / _dims_natural) on the real
+    # sm_90 layouts: wgmma operands from byte permutes, output stored back in natural order.
+    import torch
+
+    if not torch.cuda.is_available() or torch.version.hip:
+        pytest.skip("needs an NVIDIA GPU: TMA and the e4m3 wgmma are sm_90 features")
+    from kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher
+    from mla_tune.problem import Shape, generate_input
+    from mla_tune.reference import mla_decode_reference
+
+    kv_lens = (1000, 37, 300, 5)
+    shape = Shape(batch=len(kv_lens), kv_lens=kv_lens, kv_format="fp8")
+    q, kv_data, qo, kvp, config = generate_input(shape, seed=3)
+    ref = mla_decode_reference(q, kv_data, qo, kvp, config, kv_format="fp8").float()
+    dev = torch.device("cuda")
+    kv, scale = kv_data["fp8"]
+    nan = torch.full((64,) + kv.shape[1:], float("nan")).to(kv.dtype)
+    kv = torch.cat([kv, nan])
+    cfg = KernelConfig(kv_format="fp8", compute="fp8", block_n=64, **cfg_kw)
+    launcher = MlaDecodeLauncher(cfg, heads=shape.heads, q_len=1, kv_lens=list(kv_lens),
+                                 device=dev)
+    launcher.prepare()
+    for _ in range(2):
+        out = launcher(q.to(dev), kv.to(dev), scale.to(dev), None, qo.to(dev), kvp.to(dev))
+        err = (out.float().cpu() - ref).abs()
+        assert torch.isfinite(out).all()
+        # Q and P rounded to e4m3 (the a8w8 rule): the interpreter tests' bound.
+        assert float(err.max()) < 0.08, float(err.max())
