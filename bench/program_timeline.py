@@ -1,8 +1,9 @@
 """When each split program starts and ends, in global time (a dev script for kernel work, not
 a test and not the tuner): per program of the bf16/fp8 split kernel, `%globaltimer` at its
-start and after its epilogue, and the SM it ran on. It shows whether a launch's time beyond
-its steady streaming is spent before the programs stream (start-up) or after the first
-ones finish (a tail of stragglers). Ten launches, each after the timer's L2 flush.
+start, before and after its KV loop and after its epilogue, and the SM it ran on. It shows
+whether a launch's time beyond its steady streaming is spent before the programs stream
+(start-up), after their loops (epilogue, merge) or after the first ones finish (a tail of
+stragglers). Ten launches, each after the timer's L2 flush.
 
     python3 bench/program_timeline.py fp8:256x8192:compute=fp8,block_n=64,kv_load=tma ...
 
@@ -129,7 +130,7 @@ def main() -> None:
         print(f"{text}  ({rows[0].shape[0]} programs; us from the first start, median of "
               f"10 launches)")
 
-        def q(x: torch.Tensor, p: float) -> float:
+        def us(x: torch.Tensor, p: float) -> float:
             return x.quantile(p).item() / 1e3
 
         stats = {name: [] for name in ("start p50", "start max", "end min", "end p10",
@@ -139,11 +140,11 @@ def main() -> None:
             start, end = t[:, 0] - t[:, 0].min(), t[:, 1] - t[:, 0].min()
             for name, d in (("to loop p50", t[:, 3] - t[:, 0]), ("loop p50", t[:, 4] - t[:, 3]),
                             ("after loop p50", t[:, 1] - t[:, 4])):
-                stats[name].append(q(d, .5))
-            for name, value in (("start p50", q(start, .5)), ("start max", q(start, 1.)),
-                                ("end min", q(end, 0.)), ("end p10", q(end, .1)),
-                                ("end p50", q(end, .5)), ("end p90", q(end, .9)),
-                                ("end max", q(end, 1.)), ("busy p50", q(end - start, .5))):
+                stats[name].append(us(d, .5))
+            for name, value in (("start p50", us(start, .5)), ("start max", us(start, 1.)),
+                                ("end min", us(end, 0.)), ("end p10", us(end, .1)),
+                                ("end p50", us(end, .5)), ("end p90", us(end, .9)),
+                                ("end max", us(end, 1.)), ("busy p50", us(end - start, .5))):
                 stats[name].append(value)
         print("   " + "  ".join(f"{k} {torch.tensor(v).median().item():7.1f}"
                                for k, v in stats.items()))
