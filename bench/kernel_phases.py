@@ -16,18 +16,17 @@ a kernel change that moves one fails loudly); a probe waits for the value it dep
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import probed_kernel  # noqa: E402
 
 PHASES = ("bounds loaded", "query block loaded", "last tile in registers",
           "its QK^T done", "KV loop done", "epilogue done")
 """Probe k ends phase k; program start is probe 0 (slot order in the debug buffer below)."""
 
-_PATCHES = [
+PATCHES = [
     ('''@triton.jit
 def _mma_operand(''', '''@triton.jit
 def _clk(dep):
@@ -38,17 +37,7 @@ def _clk(dep):
 
 @triton.jit
 def _mma_operand('''),
-    ("    OUT, PART_O, PART_LSE, COUNTERS,\n    H, total_rows,",
-     "    OUT, PART_O, PART_LSE, COUNTERS, DBG,\n    H, total_rows,"),
-    ('''    pid_m = tl.program_id(0)
-    split = tl.program_id(1)
-    b = tl.program_id(2)
-''', '''    pid_m = tl.program_id(0)
-    split = tl.program_id(1)
-    b = tl.program_id(2)
-    t0 = _clk(pid_m)
-    dbg = DBG + ((b * tl.num_programs(1) + split) * tl.num_programs(0) + pid_m) * 8
-'''),
+    ("    dbg = DBG + ((b", "    t0 = _clk(pid_m)\n    dbg = DBG + ((b"),
     ('''    kv_start, L, chunk, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
     if (r0 < rows) & (split < n_act):''', '''    kv_start, L, chunk, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
     t1 = _clk(kv_start + q_start)
@@ -92,60 +81,28 @@ def _mma_operand('''),
                         KV,''', '''                for n0 in range(lo, hi, BLOCK_N):
                     m_i, l_i, acc = _attend_kv_tile(
                         dbg, KV,'''),
-    ('''                  0, torch.bfloat16, f32, f32, i32, heads,''',
-     '''                  0, torch.bfloat16, f32, f32, i32, torch.int64, heads,'''),
-    ('''                      self.part_o, self.part_lse, self.counters, self.heads,''',
-     '''                      self.part_o, self.part_lse, self.counters, self.dbg, self.heads,'''),
-    ('''        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)''',
-     '''        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)
-        self.dbg = torch.zeros(8 * self.batch * self.row_blocks * self.n_splits,
-                               dtype=torch.int64, device=device)'''),
 ]
+"""The clock probes, on top of probed_kernel's debug buffer."""
 
 
 def probed_module():
     """kernels/triton/mla_decode.py with the clock probes, imported from a temporary file."""
-    src = (ROOT / "kernels" / "triton" / "mla_decode.py").read_text()
-    for old, new in _PATCHES:
-        if src.count(old) != 1:
-            raise SystemExit(f"the kernel changed: patch point not found once:\n{old[:200]}")
-        src = src.replace(old, new)
-    from kernel_probe import load_kernel
-
-    path = Path(tempfile.mkdtemp()) / "mla_decode_probed.py"
-    path.write_text(src)
-    return load_kernel(path)
+    return probed_kernel.probed_module(PATCHES, "mla_decode_probed")
 
 
 def main() -> None:
     import torch
 
-    from kernel_probe import config_in, parse_variant
-    from triton_dev import make_inputs
-
-    from mla_tune.timing import CudaTimer
+    from kernel_probe import parse_variant
 
     md = probed_module()
-    cold = CudaTimer(torch.device("cuda"))
     for text in sys.argv[1:]:
-        fmt, batch, kv_len, cfg = parse_variant(text)
+        fmt, _, _, cfg = parse_variant(text)
         if fmt == "mxfp4" or cfg.tma():
             raise SystemExit(f"{text}: only bf16/fp8 variants with pointer loads are probed")
-        cfg = config_in(md, cfg)
-        q, args, qo, kvp = make_inputs(batch, kv_len, 16, fmt, "cuda")
-        launcher = md.MlaDecodeLauncher(cfg, heads=16, q_len=1, kv_lens=[kv_len] * batch,
-                                        device="cuda")
-        launcher.prepare()
-        runs = []
-        for it in range(12):
-            cold.flush_l2()
-            launcher.dbg.zero_()
-            launcher(q, *args, qo, kvp)
-            torch.cuda.synchronize()
-            t = launcher.dbg.view(-1, 8)[:, :7].cpu()
-            if it >= 2:  # the first launches load modules and warm clocks
-                runs.append(t[t[:, 6] > 0])
-        t = torch.cat(runs).double()
+        launcher, call = probed_kernel.probed_launcher(md, text)
+        runs = [t[:, :7] for t in probed_kernel.debug_rows(launcher, call)]
+        t = torch.cat([r[r[:, 6] > 0] for r in runs]).double()
         print(f"{text}  ({t.shape[0] // 10} programs; cycles, median [p10, p90])")
         for k, name in enumerate(PHASES):
             d = t[:, k + 1] - t[:, k]

@@ -15,14 +15,13 @@ one fails loudly).
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-_PATCHES = [
+import probed_kernel  # noqa: E402
+
+PATCHES = [
     ('''@triton.jit
 def _mma_operand(''', '''@triton.jit
 def _gtime(dep):
@@ -40,17 +39,17 @@ def _smid(dep):
 
 @triton.jit
 def _mma_operand('''),
-    ("    OUT, PART_O, PART_LSE, COUNTERS,\n    H, total_rows,",
-     "    OUT, PART_O, PART_LSE, COUNTERS, DBG,\n    H, total_rows,"),
-    ('''    pid_m = tl.program_id(0)
-    split = tl.program_id(1)
-    b = tl.program_id(2)
-''', '''    pid_m = tl.program_id(0)
-    split = tl.program_id(1)
-    b = tl.program_id(2)
-    t0 = _gtime(pid_m)
-    dbg = DBG + ((b * tl.num_programs(1) + split) * tl.num_programs(0) + pid_m) * 8
-'''),
+    ("    dbg = DBG + ((b", "    t0 = _gtime(pid_m)\n    dbg = DBG + ((b"),
+    ("""                                                   [BLOCK_N, D_ROPE])
+            if UPCAST:
+                n0 = lo""", """                                                   [BLOCK_N, D_ROPE])
+            tl.store(dbg + 3, _gtime(tl.max(row_scale, 0) + lo))
+            if UPCAST:
+                n0 = lo"""),
+    ("""        l_safe = tl.where(l_i > 0, l_i, 1.0)
+""", """        tl.store(dbg + 4, _gtime(tl.max(l_i, 0)))
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+"""),
     ('''                    tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", scope="gpu")
 
 
@@ -63,70 +62,28 @@ def _mma_operand('''),
 
 
 @triton.jit(do_not_specialize=["total_rows", "n_splits"])'''),
-    ("""                                                   [BLOCK_N, D_ROPE])
-            if UPCAST:
-                n0 = lo""", """                                                   [BLOCK_N, D_ROPE])
-            tl.store(dbg + 3, _gtime(tl.max(row_scale, 0) + lo))
-            if UPCAST:
-                n0 = lo"""),
-    ("""        l_safe = tl.where(l_i > 0, l_i, 1.0)
-""", """        tl.store(dbg + 4, _gtime(tl.max(l_i, 0)))
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-"""),
-    ('''                  0, torch.bfloat16, f32, f32, i32, heads,''',
-     '''                  0, torch.bfloat16, f32, f32, i32, torch.int64, heads,'''),
-    ('''                      self.part_o, self.part_lse, self.counters, self.heads,''',
-     '''                      self.part_o, self.part_lse, self.counters, self.dbg, self.heads,'''),
-    ('''        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)''',
-     '''        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)
-        self.dbg = torch.zeros(8 * self.batch * self.row_blocks * self.n_splits,
-                               dtype=torch.int64, device=device)'''),
 ]
+"""The timer probes (debug words: 0 start, 1 end, 2 SM, 3 loop start, 4 loop end), on top
+of probed_kernel's debug buffer."""
 
 
 def probed_module():
     """kernels/triton/mla_decode.py with the timer probes, imported from a temporary file."""
-    src = (ROOT / "kernels" / "triton" / "mla_decode.py").read_text()
-    for old, new in _PATCHES:
-        if src.count(old) != 1:
-            raise SystemExit(f"the kernel changed: patch point not found once:\n{old[:200]}")
-        src = src.replace(old, new)
-    from kernel_probe import load_kernel
-
-    path = Path(tempfile.mkdtemp()) / "mla_decode_timeline.py"
-    path.write_text(src)
-    return load_kernel(path)
+    return probed_kernel.probed_module(PATCHES, "mla_decode_timeline")
 
 
 def main() -> None:
     import torch
 
-    from kernel_probe import config_in, parse_variant
-    from triton_dev import make_inputs
-
-    from mla_tune.timing import CudaTimer
+    from kernel_probe import parse_variant
 
     md = probed_module()
-    cold = CudaTimer(torch.device("cuda"))
     for text in sys.argv[1:]:
-        fmt, batch, kv_len, cfg = parse_variant(text)
-        if fmt == "mxfp4":
+        if parse_variant(text)[0] == "mxfp4":
             raise SystemExit(f"{text}: only bf16/fp8 variants are probed")
-        cfg = config_in(md, cfg)
-        q, args, qo, kvp = make_inputs(batch, kv_len, 16, fmt, "cuda")
-        launcher = md.MlaDecodeLauncher(cfg, heads=16, q_len=1, kv_lens=[kv_len] * batch,
-                                        device="cuda")
-        launcher.prepare()
-        rows = []
-        for it in range(12):
-            cold.flush_l2()
-            launcher.dbg.zero_()
-            launcher(q, *args, qo, kvp)
-            torch.cuda.synchronize()
-            t = launcher.dbg.view(-1, 8)[:, :5].cpu().double()
-            t = t[t[:, 1] > 0]
-            if it >= 2:  # the first launches load modules and warm clocks
-                rows.append(t)
+        launcher, call = probed_kernel.probed_launcher(md, text)
+        rows = [t[t[:, 1] > 0][:, :5].double()
+                for t in probed_kernel.debug_rows(launcher, call)]
         print(f"{text}  ({rows[0].shape[0]} programs; us from the first start, median of "
               f"10 launches)")
 

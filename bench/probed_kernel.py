@@ -1,0 +1,101 @@
+"""The Triton MLA decode kernel with probes patched in, for the dev scripts that look inside a
+split program (bench/kernel_phases.py, bench/program_timeline.py).
+
+Every split program gets DEBUG_WORDS int64 words of a debug buffer: `dbg` in the kernel,
+`launcher.dbg` on the host. A script adds its own patches (its probes) on top. Each patch
+point must occur exactly once, so a kernel change that moves one fails loudly.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from kernel_probe import config_in, load_kernel, parse_variant  # noqa: E402
+
+DEBUG_WORDS = 8
+"""int64 words of the debug buffer per split program."""
+
+Patch = tuple[str, str]
+
+_DEBUG_BUFFER: list[Patch] = [
+    ("    OUT, PART_O, PART_LSE, COUNTERS,\n    H, total_rows,",
+     "    OUT, PART_O, PART_LSE, COUNTERS, DBG,\n    H, total_rows,"),
+    ("    b = tl.program_id(2)\n",
+     "    b = tl.program_id(2)\n"
+     f"    dbg = DBG + ((b * tl.num_programs(1) + split) * tl.num_programs(0) + pid_m) * "
+     f"{DEBUG_WORDS}\n"),
+    ('''                  0, torch.bfloat16, f32, f32, i32, heads,''',
+     '''                  0, torch.bfloat16, f32, f32, i32, torch.int64, heads,'''),
+    ('''                      self.part_o, self.part_lse, self.counters, self.heads,''',
+     '''                      self.part_o, self.part_lse, self.counters, self.dbg, self.heads,'''),
+    ('''        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)''',
+     '''        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)
+        self.dbg = torch.zeros(%d * self.batch * self.row_blocks * self.n_splits,
+                               dtype=torch.int64, device=device)''' % DEBUG_WORDS),
+]
+"""Threads the debug buffer through the split kernel and its launcher."""
+
+
+def probed_module(patches: Sequence[Patch], name: str) -> ModuleType:
+    """kernels/triton/mla_decode.py with the debug buffer and `patches` applied in order,
+    imported from a temporary file `name`.py."""
+    src = (ROOT / "kernels" / "triton" / "mla_decode.py").read_text()
+    for old, new in [*_DEBUG_BUFFER, *patches]:
+        if src.count(old) != 1:
+            raise SystemExit(f"the kernel changed: patch point not found once:\n{old[:200]}")
+        src = src.replace(old, new)
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(src)
+    return load_kernel(path)
+
+
+def probed_launcher(md: ModuleType, text: str, heads: int = 16
+                    ) -> tuple[Any, Callable[[], Any]]:
+    """The launcher of variant `text` (kernel_probe's syntax) from probed module `md`,
+    compiled, and a call of it on fresh inputs."""
+    from triton_dev import make_inputs
+
+    fmt, batch, kv_len, cfg = parse_variant(text)
+    q, args, qo, kvp = make_inputs(batch, kv_len, heads, fmt, "cuda")
+    launcher = md.MlaDecodeLauncher(config_in(md, cfg), heads=heads, q_len=1,
+                                    kv_lens=[kv_len] * batch, device="cuda")
+    launcher.prepare()
+    return launcher, lambda: launcher(q, *args, qo, kvp)
+
+
+@functools.cache
+def _cold_timer() -> Any:
+    """One timer for all variants: its L2-flush buffer is allocated once."""
+    import torch
+
+    from mla_tune.timing import CudaTimer
+
+    return CudaTimer(torch.device("cuda"))
+
+
+def debug_rows(launcher: Any, call: Callable[[], Any], launches: int = 10,
+               warmup: int = 2) -> list[Any]:
+    """The debug buffer after each of `launches` cold-L2 calls (the timer's flush before
+    each), as [programs, DEBUG_WORDS] int64 CPU tensors; `warmup` calls before them load
+    modules and warm clocks."""
+    import torch
+
+    rows = []
+    for it in range(warmup + launches):
+        _cold_timer().flush_l2()
+        launcher.dbg.zero_()
+        call()
+        torch.cuda.synchronize()
+        if it >= warmup:
+            rows.append(launcher.dbg.view(-1, DEBUG_WORDS).cpu())
+    return rows
