@@ -27,9 +27,9 @@ from kernel_probe import parse_variant  # noqa: E402
 from kernels.triton.static_check import compile_split, usage  # noqa: E402
 
 COUNTED = ("mma.sync", "wgmma.mma_async", "ldmatrix", "ld.shared", "ld.shared.v4",
-           "ld.shared.b8", "st.shared.b8", "st.shared.b16",
-           "st.shared.b32", "st.shared.v2", "st.shared.v4", "cp.async.cg", "cp.async.ca",
-           "ld.global", "cvt.", "prmt", "lop3", "mul.rn.bf16x2", "ex2", "bar.sync")
+           "ld.shared.b8", "st.shared.b8", "st.shared.b16", "st.shared.b32", "st.shared.v2",
+           "st.shared.v4", "cp.async.cg", "cp.async.ca", "ld.global", "cvt.", "prmt", "lop3",
+           "mul.rn.bf16x2", "ex2", "bar.sync")
 
 
 def tile_loop(ptx: str) -> str:

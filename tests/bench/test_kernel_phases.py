@@ -4,16 +4,11 @@ kernel edit that moves one is caught here, not on the GPU)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-pytest.importorskip("triton")
+from tests.compiled_child import run_compiled
 
-ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("triton")
 
 _CHECK = r"""
 import sys
@@ -30,9 +25,6 @@ for fmt, compute in (("bf16", "bf16"), ("fp8", "fp8qk")):
 
 
 def test_probed_kernel_compiles_with_every_probe() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _CHECK], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_compiled(["-c", _CHECK], timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["bf16", "7", "fp8", "7"]

@@ -8,16 +8,12 @@ TRITON_INTERPRET, whatever other tests in this process do."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
+from tests.compiled_child import run_compiled
 
-ROOT = Path(__file__).resolve().parents[2]
+pytest.importorskip("triton")
 
 _PROBE = r"""
 import json
@@ -46,10 +42,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_compiled(["-c", _PROBE], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 import ast
 import json
 import multiprocessing
-import os
-import subprocess
-import sys
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+
+from tests.compiled_child import run_compiled
 
 pytest.importorskip("triton")
 
@@ -29,10 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def reports() -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-m", "mla_tune.triton_variants"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = run_compiled(["-m", "mla_tune.triton_variants"], timeout=900)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert rows, proc.stderr[-3000:]
     return rows

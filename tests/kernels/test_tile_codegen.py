@@ -5,8 +5,10 @@ here instead of in the next sweep."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,8 +19,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import kernel_ptx_stats as kps  # noqa: E402
 
 
+@functools.cache
+def _compiled(text: str) -> Any:
+    """Variant `text` compiled for sm_90 (once per test session: two tests read the fp8 one)."""
+    return kps.compile_split(kps.parse_variant(text)[3], "cuda:90", heads=16)
+
+
 def _stats(text: str) -> dict[str, int]:
-    return kps.stats(kps.compile_split(kps.parse_variant(text)[3], "cuda:90", heads=16))
+    return kps.stats(_compiled(text))
 
 
 @pytest.mark.parametrize("variant", ["bf16:1x1:block_n=32,num_stages=3,kv_load=tma",
@@ -63,8 +71,7 @@ def test_fp8_output_is_stored_in_whole_rows() -> None:
     # per program (through shared memory) so the output and partials are stored with
     # 16-byte stores. Stored at the interleaved dims (one bf16 or float32 per store) the
     # epilogue took 8 us of a 256x8192 program on the H200 (bf16's: 0.5).
-    ptx = kps.compile_split(kps.parse_variant("fp8:1x1:compute=fp8,block_n=64,num_stages=3,"
-                                              "kv_load=tma")[3], "cuda:90", heads=16).asm["ptx"]
+    ptx = _compiled("fp8:1x1:compute=fp8,block_n=64,num_stages=3,kv_load=tma").asm["ptx"]
     assert ptx.count("st.global.b16") == 0
     assert ptx.count("st.global.b32") <= 2  # the partial's log-sum-exp
     assert ptx.count("st.global.v4.b32") >= 16
