@@ -26,24 +26,20 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from mla_tune.timing import CudaTimer, TimingPolicy  # noqa: E402
-from read_floor import LAYOUT, graphed, time_layout  # noqa: E402
+from read_floor import LAYOUT, graphed, stream_tiles, time_layout  # noqa: E402
 
 
 @triton.jit
 def read_tiles_own_desc(base, OUT, tiles_per_prog, W: tl.constexpr, BN: tl.constexpr,
                         DA: tl.constexpr, DB: tl.constexpr, STAGES: tl.constexpr):
     """read_floor.read_tiles, with the program's descriptors built here and ending where its
-    tiles end."""
+    tiles end (the same stream_tiles loop)."""
     pid = tl.program_id(0)
     t0 = pid * tiles_per_prog
     end = ((pid + 1) * tiles_per_prog * BN).to(tl.int32)
     desc_a = tl.make_tensor_descriptor(base, [end, W], [W, 1], [BN, DA])
     desc_b = tl.make_tensor_descriptor(base, [end, W], [W, 1], [BN, DB])
-    m = tl.zeros([BN], tl.float32)
-    for t in tl.range(t0, t0 + tiles_per_prog, num_stages=STAGES):
-        m = tl.maximum(m, tl.max(desc_a.load([t * BN, 0]), 1).to(tl.float32))
-        m = tl.maximum(m, tl.max(desc_b.load([t * BN, DA]), 1).to(tl.float32))
-    tl.store(OUT + pid * BN + tl.arange(0, BN), m)
+    stream_tiles(desc_a, desc_b, OUT + pid * BN, t0, t0 + tiles_per_prog, BN, DA, STAGES)
 
 
 class _Scratch:

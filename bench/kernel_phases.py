@@ -27,16 +27,7 @@ PHASES = ("bounds loaded", "query block loaded", "last tile in registers",
 """Probe k ends phase k; program start is probe 0 (slot order in the debug buffer below)."""
 
 PATCHES = [
-    ('''@triton.jit
-def _mma_operand(''', '''@triton.jit
-def _clk(dep):
-    return tl.inline_asm_elementwise("mov.u64 $0, %clock64; // $1", "=l,r",
-                                     [dep.to(tl.int32)], dtype=tl.int64, is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
-def _mma_operand('''),
+    probed_kernel.register_readers({"_clk": ("clock64", 64)}),
     ("    dbg = DBG + ((b", "    t0 = _clk(pid_m)\n    dbg = DBG + ((b"),
     ('''    kv_start, L, chunk, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
     if (r0 < rows) & (split < n_act):''', '''    kv_start, L, chunk, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)

@@ -46,6 +46,26 @@ _DEBUG_BUFFER: list[Patch] = [
 """Threads the debug buffer through the split kernel and its launcher."""
 
 
+_READ_WIDTHS = {64: ("u64", "l", "tl.int64"), 32: ("u32", "r", "tl.int32")}
+
+
+def register_readers(readers: dict[str, tuple[str, int]]) -> Patch:
+    """A patch defining, before _mma_operand, one jit function per `name: (register, bits)`
+    that reads PTX special register `%register` (e.g. `globaltimer`, 64) once its argument
+    is computed (the argument orders the read after the value it follows)."""
+    defs = []
+    for name, (register, bits) in readers.items():
+        ptx_type, constraint, dtype = _READ_WIDTHS[bits]
+        defs.append(
+            f"@triton.jit\ndef {name}(dep):\n"
+            f"    return tl.inline_asm_elementwise(\"mov.{ptx_type} $0, %{register}; // $1\", "
+            f"\"={constraint},r\",\n"
+            f"                                     [dep.to(tl.int32)], dtype={dtype}, "
+            "is_pure=False,\n                                     pack=1)\n\n\n")
+    anchor = "@triton.jit\ndef _mma_operand("
+    return anchor, "".join(defs) + anchor
+
+
 def probed_module(patches: Sequence[Patch], name: str) -> ModuleType:
     """kernels/triton/mla_decode.py with the debug buffer and `patches` applied in order,
     imported from a temporary file `name`.py."""

@@ -22,23 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import probed_kernel  # noqa: E402
 
 PATCHES = [
-    ('''@triton.jit
-def _mma_operand(''', '''@triton.jit
-def _gtime(dep):
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r",
-                                     [dep.to(tl.int32)], dtype=tl.int64, is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
-def _smid(dep):
-    return tl.inline_asm_elementwise("mov.u32 $0, %smid; // $1", "=r,r",
-                                     [dep.to(tl.int32)], dtype=tl.int32, is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
-def _mma_operand('''),
+    probed_kernel.register_readers({"_gtime": ("globaltimer", 64), "_smid": ("smid", 32)}),
     ("    dbg = DBG + ((b", "    t0 = _gtime(pid_m)\n    dbg = DBG + ((b"),
     ("""                                                   [BLOCK_N, D_ROPE])
             if UPCAST:

@@ -25,6 +25,7 @@ stride), so its floor is about 6 % low.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -58,12 +59,20 @@ def read_tiles(desc_a, desc_b, OUT, tiles_per_prog, total_tiles, BN: tl.constexp
     """Program p streams tiles [p * tiles_per_prog, ...) of BN rows and keeps their max."""
     pid = tl.program_id(0)
     t0 = pid * tiles_per_prog
-    t1 = tl.minimum(t0 + tiles_per_prog, total_tiles)
+    stream_tiles(desc_a, desc_b, OUT + pid * BN, t0, tl.minimum(t0 + tiles_per_prog, total_tiles),
+                 BN, DA, STAGES)
+
+
+@triton.jit
+def stream_tiles(desc_a, desc_b, out, t0, t1, BN: tl.constexpr, DA: tl.constexpr,
+                 STAGES: tl.constexpr):
+    """Tiles [t0, t1) of BN rows through both descriptors, pipelined STAGES deep; their
+    per-row byte maximum goes to `out` [BN], so the loads stay live."""
     m = tl.zeros([BN], tl.float32)
     for t in tl.range(t0, t1, num_stages=STAGES):
         m = tl.maximum(m, tl.max(desc_a.load([t * BN, 0]), 1).to(tl.float32))
         m = tl.maximum(m, tl.max(desc_b.load([t * BN, DA]), 1).to(tl.float32))
-    tl.store(OUT + pid * BN + tl.arange(0, BN), m)
+    tl.store(out + tl.arange(0, BN), m)
 
 
 def time_layout(cache: torch.Tensor, fmt: str, programs: int, tiles_per_prog: int,
@@ -95,10 +104,15 @@ def graphed(launch: Callable[[], None]) -> Callable[[], None]:
     return graph.replay
 
 
+@functools.cache
+def _committed() -> list[dict]:
+    """The committed winners (mla_tune/winners.json), read once."""
+    return json.loads((ROOT / "mla_tune" / "winners.json").read_text())["winners"]
+
+
 def committed_winner(fmt: str, batch: int, kv: int) -> dict | None:
     """The committed Triton winner of the shape (heads 16, q_len 1), if there is one."""
-    path = ROOT / "mla_tune" / "winners.json"
-    for w in json.loads(path.read_text())["winners"]:
+    for w in _committed():
         s = w["shape"]
         if ((s["kv_format"], s["batch"], s["kv_lens"], s["heads"], s["q_len"]) ==
                 (fmt, batch, kv, 16, 1) and w["backend"] == "triton"):
