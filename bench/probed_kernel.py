@@ -34,10 +34,10 @@ _DEBUG_BUFFER: list[Patch] = [
      "    b = tl.program_id(2)\n"
      f"    dbg = DBG + ((b * tl.num_programs(1) + split) * tl.num_programs(0) + pid_m) * "
      f"{DEBUG_WORDS}\n"),
-    ('''                  0, torch.bfloat16, f32, f32, i32, heads,''',
-     '''                  0, torch.bfloat16, f32, f32, i32, torch.int64, heads,'''),
-    ('''                      self.part_o, self.part_lse, self.counters, self.heads,''',
-     '''                      self.part_o, self.part_lse, self.counters, self.dbg, self.heads,'''),
+    ('''0, torch.bfloat16, f32, f32, i32, heads,''',
+     '''0, torch.bfloat16, f32, f32, i32, torch.int64, heads,'''),
+    ('''                      self.part_lse, self.counters, self.heads,''',
+     '''                      self.part_lse, self.counters, self.dbg, self.heads,'''),
     ('''        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)''',
      '''        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)
         self.dbg = torch.zeros(%d * self.batch * self.row_blocks * self.n_splits,

@@ -24,9 +24,9 @@ import probed_kernel  # noqa: E402
 PATCHES = [
     probed_kernel.register_readers({"_gtime": ("globaltimer", 64), "_smid": ("smid", 32)}),
     ("    dbg = DBG + ((b", "    t0 = _gtime(pid_m)\n    dbg = DBG + ((b"),
-    ("""                                                   [BLOCK_N, D_ROPE])
+    ("""                desc_r = KV_DESC_R
             if UPCAST:
-                n0 = lo""", """                                                   [BLOCK_N, D_ROPE])
+                n0 = lo""", """                desc_r = KV_DESC_R
             tl.store(dbg + 3, _gtime(tl.max(row_scale, 0) + lo))
             if UPCAST:
                 n0 = lo"""),

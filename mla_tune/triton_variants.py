@@ -28,8 +28,9 @@ def default_variants() -> list[md.KernelConfig]:
     fam = TritonFamily()
     seen: dict[tuple, md.KernelConfig] = {}
     for fmt in KVFormat:
-        # A shape on which every block size is meaningful (128 rows, long sequences).
-        shape = Shape.uniform(1, 8192, q_len=4, heads=32, kv_format=fmt)
+        # A shape on which every knob value is meaningful: 128 rows, long sequences, and
+        # one query of whole tiles (kv_load='tma_host').
+        shape = Shape.uniform(1, 8192, heads=128, kv_format=fmt)
         for point in load_backend_space("triton", "cuda").grid():
             point = dict(point, num_splits=1)
             if not fam.feasible(shape, point):

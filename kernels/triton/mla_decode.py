@@ -31,10 +31,17 @@ dims-major layout (16-byte stores) and read by both.
 
 KV loads (TMA): bf16/fp8 tiles of the contiguous cache come either through pointers
 (masked loads, a cp.async ring on sm_90) or through tensor descriptors (the TMA unit on
-sm_90: a few bulk copies per tile instead of per-thread 16-byte copies). Each program's
-descriptors end where its split ends, so TMA fills the rows of a partial last tile with
-zeros instead of reading past the split (a zero times p = 0 is 0; a row of another
-sequence could hold anything, NaN included).
+sm_90: a few bulk copies per tile instead of per-thread 16-byte copies). A tile must not
+bring in rows past its program's last key: TMA fills rows past a descriptor's end with
+zeros (a zero times p = 0 is 0), while a row of another sequence could hold anything, NaN
+included. So each program makes its own pair of descriptors, ending where its split ends
+(TMA_KERNEL_DESC, kv_load='tma'). Where every tile a program reads ends inside its own keys
+(one query per sequence, every length a multiple of BLOCK_N: the suites' shapes), one pair
+of descriptors over the whole cache can instead be made on the host and passed in
+(TMA_HOST_DESC, kv_load='tma_host'). Neither is faster everywhere on the H200: host-made
+descriptors saved 0.4-2.8 us at 18 of the 28 bf16/fp8 suite shapes and cost 3.5-24 us at
+the longest launches (bf16 64x8192 and 256x8192, fp8 128x8192 and 256x8192;
+bench/results/h200_tma_host_desc_2026-11-30.md), so the tuner chooses.
 
 Split-KV: sequence b's keys are cut into at most `n_splits` chunks (multiples of BLOCK_N).
 Splits write a normalized partial output and its log2-sum-exp; a merge combines them,
@@ -64,6 +71,9 @@ CMP_BF16, CMP_FP16, CMP_FP8, CMP_FP8QK = 0, 1, 2, 3
 FORMATS = {"bf16": FMT_BF16, "fp8": FMT_FP8, "mxfp4": FMT_MXFP4}
 COMPUTES = {"bf16": CMP_BF16, "fp16": CMP_FP16, "fp8": CMP_FP8, "fp8qk": CMP_FP8QK}
 
+TMA_OFF, TMA_KERNEL_DESC, TMA_HOST_DESC = 0, 1, 2
+"""Values of the split kernel's TMA constexpr: pointer loads, descriptors made per program,
+descriptors made on the host (see "KV loads" above)."""
 D_NOPE = tl.constexpr(512)
 D_ROPE = tl.constexpr(64)
 D_QK = tl.constexpr(576)
@@ -400,10 +410,10 @@ def _attend_kv_tile(KV, desc_n, desc_r, PAGE_TBL, pg_start, page_shift, kv_start
                     KV_FMT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr,
                     PAGED: tl.constexpr, UPCAST: tl.constexpr, STAGED: tl.constexpr,
                     TMA: tl.constexpr):
-    """_attend_tile on the tile [n0, n0 + BLOCK_N), loaded through the program's TMA
-    descriptors (TMA: contiguous cache, rows from `hi` on come back as zeros) or through
-    pointers (masked at `hi`; `desc_n`/`desc_r` are unused)."""
-    if TMA:
+    """_attend_tile on the tile [n0, n0 + BLOCK_N), loaded through TMA descriptors (TMA
+    nonzero: contiguous cache) or through pointers (masked at `hi`; `desc_n`/`desc_r` are
+    unused)."""
+    if TMA != 0:
         row0 = (kv_start + n0).to(tl.int32)
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
@@ -478,7 +488,7 @@ def _attend_tile_mxfp4(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_
 
 @triton.jit(do_not_specialize=["sc_stride", "page_shift", "total_rows", "n_splits", "fast"])
 def mla_decode_kernel(
-    Q, KV, KV_SCALE, KV_SC, sc_stride,
+    Q, KV, KV_DESC_N, KV_DESC_R, KV_SCALE, KV_SC, sc_stride,
     QO_INDPTR, KV_INDPTR, PAGE_TBL, PAGE_INDPTR, page_shift,
     OUT, PART_O, PART_LSE, COUNTERS,
     H, total_rows, n_splits, qk_scale, fast,
@@ -488,7 +498,8 @@ def mla_decode_kernel(
 ):
     """Grid (row blocks, splits, batch). See the module docstring for the scheme.
     `fast` (runtime, so it costs no extra compile): lazy rescaling and the fused
-    last-program merge instead of a second launch."""
+    last-program merge instead of a second launch. KV_DESC_N/KV_DESC_R: the host-made
+    descriptors of the nope and rope columns when TMA is TMA_HOST_DESC (otherwise unused)."""
     if NV_ASM:
         # Lets a PDL merge launch start as soon as every split program has begun.
         gdc_launch_dependents()
@@ -570,13 +581,16 @@ def mla_decode_kernel(
             acc = tl.zeros([D_NOPE, BLOCK_M], tl.float32)
             desc_n = KV
             desc_r = KV
-            if TMA:
+            if TMA == 1:
                 # Bounded at the split's end: see "KV loads" in the module docstring.
                 end = (kv_start + hi).to(tl.int32)
                 desc_n = tl.make_tensor_descriptor(KV, [end, D_QK], [D_QK, 1],
                                                    [BLOCK_N, D_NOPE])
                 desc_r = tl.make_tensor_descriptor(KV, [end, D_QK], [D_QK, 1],
                                                    [BLOCK_N, D_ROPE])
+            elif TMA == 2:
+                desc_n = KV_DESC_N
+                desc_r = KV_DESC_R
             if UPCAST:
                 n0 = lo
                 while n0 < hi:
@@ -662,7 +676,15 @@ class KernelConfig:
 
     def tma(self) -> bool:
         """bf16/fp8 tiles load through tensor descriptors (MXFP4 keeps pointers)."""
-        return self.kv_load == "tma" and self.kv_format != "mxfp4"
+        return self.kv_load in ("tma", "tma_host") and self.kv_format != "mxfp4"
+
+    def tma_mode(self, host_desc_ok: bool) -> int:
+        """The split kernel's TMA constexpr (see "KV loads" in the module docstring).
+        `host_desc_ok`: the target takes host-made descriptors (NVIDIA's, or the
+        interpreter); AMD has no TMA unit and keeps the per-program ones."""
+        if not self.tma():
+            return TMA_OFF
+        return TMA_HOST_DESC if self.kv_load == "tma_host" and host_desc_ok else TMA_KERNEL_DESC
 
     def constexprs(self, paged: bool, upcast: bool, nvidia: bool) -> dict[str, int | bool]:
         """The constexpr arguments that define the compiled split kernel. `nvidia`: the
@@ -671,7 +693,8 @@ class KernelConfig:
             "KV_FMT": FORMATS[self.kv_format], "COMPUTE": COMPUTES[self.compute],
             "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "PAGED": paged,
             "UPCAST": upcast, "FP8_STAGED": self.fp8_convert == "staged",
-            "NV_ASM": nvidia and not upcast, "TMA": self.tma(),
+            "NV_ASM": nvidia and not upcast,
+            "TMA": self.tma_mode(nvidia or upcast),
         }
 
     def merge_options(self, upcast: bool, nvidia: bool) -> dict[str, int | bool]:
@@ -688,21 +711,38 @@ class KernelConfig:
 _KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8}
 
 
+def kv_descriptors(kv: torch.Tensor, block_n: int) -> tuple[Any, Any]:
+    """Host-made TMA descriptors of the whole contiguous cache `kv` ((N, 1, 576) or
+    (N, 576) rows, 16-byte aligned): its nope columns in [block_n, 512] boxes and its rope
+    columns in [block_n, 64] boxes (a tile is one load of each)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = kv.shape[0]
+    return (TensorDescriptor(kv, [rows, D_QK.value], [D_QK.value, 1], [block_n, D_NOPE.value]),
+            TensorDescriptor(kv, [rows, D_QK.value], [D_QK.value, 1], [block_n, D_ROPE.value]))
+
+
 def kernel_launches(cfg: KernelConfig, *, heads: int, paged: bool, merge: bool, target: str,
                     sc_stride: int = 0, upcast: bool = False) -> list[tuple[Any, tuple, dict]]:
     """The kernels a launcher of `cfg` compiles for `target` ('cuda:90', 'hip:gfx950', ...),
     as (kernel, args, kwargs) for `warmup`: pointers as dtypes, integers with values of the
     same specialization as a real launch (`H` is specialized on divisibility by 16; the
-    other integers are not specialized). `merge` adds the second-launch merge kernel.
-    Launcher and compile-ahead both build from this, so a kernel compiled ahead is the one
-    the launcher finds in Triton's cache."""
+    other integers are not specialized), host descriptors over a cache on the meta device
+    (their specialization is their dtype and box). `merge` adds the second-launch merge
+    kernel. Launcher and compile-ahead both build from this, so a kernel compiled ahead is
+    the one the launcher finds in Triton's cache."""
     kv = _KV_DTYPES[cfg.kv_format]
     f32, i32 = torch.float32, torch.int32
-    split_args = (torch.bfloat16, kv, f32, torch.uint8, sc_stride, i32, i32, i32, i32,
-                  0, torch.bfloat16, f32, f32, i32, heads, 1, 1, 1.0, int(cfg.fast_mode))
+    constexprs = cfg.constexprs(paged, upcast, target.startswith("cuda"))
+    desc_n = desc_r = kv
+    if constexprs["TMA"] == TMA_HOST_DESC:
+        desc_n, desc_r = kv_descriptors(torch.empty((1, D_QK.value), dtype=kv, device="meta"),
+                                        cfg.block_n)
+    split_args = (torch.bfloat16, kv, desc_n, desc_r, f32, torch.uint8, sc_stride, i32, i32,
+                  i32, i32, 0, torch.bfloat16, f32, f32, i32, heads, 1, 1, 1.0,
+                  int(cfg.fast_mode))
     launches = [(mla_decode_kernel, split_args,
-                 dict(cfg.constexprs(paged, upcast, target.startswith("cuda")),
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages))]
+                 dict(constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages))]
     if merge:
         merge_args = (i32, i32, f32, f32, torch.bfloat16, heads, 1, 1)
         launches.append((mla_merge_kernel, merge_args,
@@ -723,6 +763,13 @@ def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (CPU tensors, slow, bf16 dot must be upcast)."""
     import os
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def tiles_stay_inside(block_n: int, q_len: int, kv_lens: list[int]) -> bool:
+    """No tile of any program reaches past that program's keys: one query per sequence (no
+    causal end inside a sequence) and every length a whole number of tiles (split ends are
+    tile multiples). Host-made descriptors over the whole cache are then safe."""
+    return q_len == 1 and all(L % block_n == 0 for L in kv_lens)
 
 
 def auto_splits(batch: int, row_blocks: int, max_kv: int, block_n: int, num_sms: int) -> int:
@@ -802,8 +849,16 @@ class MlaDecodeLauncher:
         self.merge_grid = (self.row_blocks, self.batch, MERGE_CHUNKS.value)
         self.qk_scale = float(sm_scale) * LOG2E
         self.target = device_target(device)
+        if cfg.kv_load == "tma_host" and not tiles_stay_inside(cfg.block_n, q_len, kv_lens):
+            raise ValueError(
+                "kv_load='tma_host' shares one pair of descriptors between all programs, so "
+                f"it needs q_len 1 and every kv length a multiple of block_n={cfg.block_n} "
+                f"(got q_len {q_len}, kv lengths {sorted(set(kv_lens))[:8]}); use "
+                "kv_load='tma' for this shape")
         self.constexprs = cfg.constexprs(self.paged, self.upcast,
                                          self.target.startswith("cuda"))
+        self.host_desc = self.constexprs["TMA"] == TMA_HOST_DESC
+        self._descs: tuple | None = None
         self.merge_opts = cfg.merge_options(self.upcast, self.target.startswith("cuda"))
         self.separate_merge = self.n_splits > 1 and not cfg.fast_mode
         # Device-side tensor descriptors are written to a per-program scratch area that
@@ -816,13 +871,24 @@ class MlaDecodeLauncher:
     def _args(self, q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor,
               kv_sc: torch.Tensor, sc_stride: int, qo_indptr: torch.Tensor,
               kv_indptr: torch.Tensor) -> tuple[tuple, tuple]:
-        split_args = (q, kv, kv_scale, kv_sc, sc_stride, qo_indptr, kv_indptr, self.page_tbl,
-                      self.page_indptr, self.page_shift, self.out,
-                      self.part_o, self.part_lse, self.counters, self.heads, self.total_rows, self.n_splits, self.qk_scale,
-                      int(self.cfg.fast_mode))
+        desc_n = desc_r = kv
+        if self.host_desc:
+            desc_n, desc_r = self._descriptors(kv)
+        split_args = (q, kv, desc_n, desc_r, kv_scale, kv_sc, sc_stride, qo_indptr, kv_indptr,
+                      self.page_tbl, self.page_indptr, self.page_shift, self.out, self.part_o,
+                      self.part_lse, self.counters, self.heads, self.total_rows,
+                      self.n_splits, self.qk_scale, int(self.cfg.fast_mode))
         merge_args = (qo_indptr, kv_indptr, self.part_o, self.part_lse, self.out, self.heads,
                       self.total_rows, self.n_splits)
         return split_args, merge_args
+
+    def _descriptors(self, kv: torch.Tensor) -> tuple[Any, Any]:
+        """The host descriptors of cache `kv`, made again only when a call brings a
+        different cache (Triton's launcher encodes them for the GPU at each launch)."""
+        key = (kv.data_ptr(), kv.shape[0], kv.dtype)
+        if self._descs is None or self._descs[0] != key:
+            self._descs = (key, kv_descriptors(kv, self.cfg.block_n))
+        return self._descs[1]
 
     def _launch_jit(self, split_args: tuple, merge_args: tuple) -> None:
         c = self.cfg
@@ -876,16 +942,16 @@ class MlaDecodeLauncher:
             kv_sc, sc_stride = self.dummy_u8, 0
         else:
             sc_stride = kv_sc.stride(0)
-        split_args, merge_args = self._args(q, kv, self.dummy_f32 if kv_scale is None
-                                            else kv_scale, kv_sc, sc_stride, qo_indptr,
-                                            kv_indptr)
-        if not self.constexprs["TMA"]:
-            self._launch(split_args, merge_args)
-            return self.out
-        if kv.data_ptr() % 16:
+        if self.constexprs["TMA"] != TMA_OFF and kv.data_ptr() % 16:
             raise ValueError("kv_load='tma' needs a 16-byte aligned KV cache; this one starts "
                              f"at {kv.data_ptr():#x} (pass an aligned tensor or use "
                              "kv_load='pointer')")
+        split_args, merge_args = self._args(q, kv, self.dummy_f32 if kv_scale is None
+                                            else kv_scale, kv_sc, sc_stride, qo_indptr,
+                                            kv_indptr)
+        if self.constexprs["TMA"] != TMA_KERNEL_DESC:
+            self._launch(split_args, merge_args)
+            return self.out
         token = _allocation._allocator.set(self._scratch_for)
         try:
             self._launch(split_args, merge_args)

@@ -63,7 +63,8 @@ def variant_key(cfg: md.KernelConfig) -> tuple:
     """What distinguishes compiled kernels: runtime knobs (split count, fast mode, the page
     size value) do not, only whether a page table is read."""
     return (cfg.kv_format, cfg.compute, cfg.block_m, cfg.block_n, cfg.num_warps,
-            cfg.num_stages, cfg.page_size > 1, cfg.fp8_convert, cfg.tma(), cfg.pdl)
+            cfg.num_stages, cfg.page_size > 1, cfg.fp8_convert,
+            cfg.kv_load if cfg.tma() else "pointer", cfg.pdl)
 
 
 def compiled_key(cfg: md.KernelConfig, heads: int = 16) -> tuple:

@@ -110,11 +110,15 @@ class TritonFamily(Backend):
         converts_fp8 = shape.kv_format is KVFormat.FP8 and str(config["compute"]) != "fp8"
         if not converts_fp8 and str(config.get("fp8_convert", "staged")) != "staged":
             return False  # the knob only exists for fp8 KV on 16-bit MMAs
-        if str(config.get("kv_load", "pointer")) == "tma" and (
+        kv_load = str(config.get("kv_load", "pointer"))
+        if kv_load in ("tma", "tma_host") and (
                 _page_size(shape, config) > 1 or not (
                     shape.kv_format is KVFormat.BF16 or
                     (shape.kv_format is KVFormat.FP8 and str(config["compute"]) == "fp8"))):
             return False  # see kv_load in configs/backends/triton.toml
+        if kv_load == "tma_host" and (shape.q_len != 1 or
+                                      any(L % block_n for L in shape.kv_lens)):
+            return False  # shared descriptors: mla_decode.tiles_stay_inside must hold
         splits = int(config["num_splits"])
         return splits * block_n <= shape.kv_len
 

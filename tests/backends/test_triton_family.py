@@ -27,12 +27,26 @@ def _loads(shape: Shape) -> set[str]:
 
 
 def test_tma_loads_are_a_knob_only_for_contiguous_bf16_and_unconverted_fp8_kv():
-    assert _loads(Shape.uniform(4, 1024)) == {"pointer", "tma"}
+    assert _loads(Shape.uniform(4, 1024)) == {"pointer", "tma", "tma_host"}
     fp8 = Shape.uniform(4, 1024, kv_format=KVFormat.FP8)
     by_compute = {(c["compute"], c["kv_load"])
                   for c in TritonFamily().candidates(fp8, torch.device("cuda"))}
-    assert {load for compute, load in by_compute if compute == "fp8"} == {"pointer", "tma"}
+    assert {load for compute, load in by_compute if compute == "fp8"} == {
+        "pointer", "tma", "tma_host"}
     assert {load for compute, load in by_compute if compute != "fp8"} == {"pointer"}
     assert _loads(Shape.uniform(4, 1024, kv_format=KVFormat.MXFP4)) == {"pointer"}
     assert _loads(Shape.uniform(4, 1024, page_size=16)) == {"pointer"}
     assert _loads(Shape.uniform(4, 1024, kv_format=KVFormat.FP8, page_size=16)) == {"pointer"}
+
+
+def test_host_made_descriptors_only_where_no_tile_reaches_past_its_keys():
+    # One pair of descriptors for the whole cache: a partial last tile, or a causal end
+    # inside the sequence (q_len > 1), would read the next keys instead of zeros.
+    def host_block_ns(shape: Shape) -> set[int]:
+        return {c["block_n"] for c in TritonFamily().candidates(shape, torch.device("cuda"))
+                if c["kv_load"] == "tma_host"}
+
+    assert host_block_ns(Shape.uniform(4, 1024)) == {32, 64}
+    assert host_block_ns(Shape(batch=2, kv_lens=(1024, 96))) == {32}
+    assert host_block_ns(Shape(batch=2, kv_lens=(1024, 100))) == set()
+    assert host_block_ns(Shape.uniform(4, 1024, q_len=2)) == set()

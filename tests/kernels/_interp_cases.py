@@ -53,6 +53,12 @@ CASES: dict[str, tuple[dict, dict]] = {
     "fp8_fp16_tma_operand_nan_tail": (dict(kv_lens=(60, 31), fmt="fp8", nan_tail=True),
                                       dict(compute="fp16", num_splits=1, kv_load="tma",
                                            fp8_convert="operand")),
+    # Whole tiles and one query per sequence: one pair of host-made descriptors over the
+    # whole cache serves every program, NaN rows after it included.
+    "bf16_tma_host_nan_tail": (dict(kv_lens=(128, 64, 192), nan_tail=True),
+                               dict(num_splits=3, block_n=32, kv_load="tma_host")),
+    "fp8_fp8_tma_host_nan_tail": (dict(kv_lens=(128, 64), fmt="fp8", nan_tail=True),
+                                  dict(compute="fp8", num_splits=2, kv_load="tma_host")),
     "mxfp4_h32": (dict(kv_lens=(77, 128), heads=32, fmt="mxfp4"), dict(num_splits=2)),
     "mxfp4_q4_fused_page16": (dict(kv_lens=(90, 40), q_len=4, fmt="mxfp4"),
                               dict(num_splits=3, fast_mode=True, page_size=16)),
@@ -108,7 +114,7 @@ def run_case(name: str) -> dict:
     return {"name": name, "max_abs_err": float(err.max()),
             "mismatch_1e-2": float((err > 1e-2 + 1e-2 * ref.abs()).float().mean()),
             "shape": list(out.shape), "ref_shape": list(ref.shape),
-            "finite": bool(torch.isfinite(out).all())}
+            "finite": bool(torch.isfinite(out).all()), "tma": launcher.constexprs["TMA"]}
 
 
 if __name__ == "__main__":

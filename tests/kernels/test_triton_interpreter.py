@@ -52,3 +52,15 @@ def test_case_matches_reference(results: dict[str, dict], name: str) -> None:
     fam = _family(name)
     assert r["max_abs_err"] <= BOUNDS[fam], r
     assert r["mismatch_1e-2"] <= MISMATCH.get(fam, 0.0), r
+
+
+
+def test_tma_cases_run_the_descriptors_their_knob_names(results: dict[str, dict]) -> None:
+    # The nan-tail cases above check isolation in both modes only if each ran its own mode.
+    from kernels.triton.mla_decode import TMA_HOST_DESC, TMA_KERNEL_DESC
+
+    modes = {name: (r["tma"], CASES[name][1]["kv_load"]) for name, r in results.items()
+             if "_tma_" in name}
+    assert {knob for _, knob in modes.values()} == {"tma", "tma_host"}
+    for name, (mode, knob) in modes.items():
+        assert mode == (TMA_HOST_DESC if knob == "tma_host" else TMA_KERNEL_DESC), name
