@@ -237,6 +237,7 @@ class _Sweep:
             t1 = time.perf_counter()
             for done, job in finished:
                 self._handle(done, job)
+            self._settle([job[0] for _, job in finished if job is not None])
             if finished:
                 log.debug("next candidates out in %.0f ms; %d result(s) stored in %.0f ms",
                           (t1 - t0) * 1e3, len(finished), (time.perf_counter() - t1) * 1e3)
@@ -320,17 +321,35 @@ class _Sweep:
     def _claim(self, g: _Group) -> dict[str, Any] | None:
         config = self._take(g)
         if config is None and g.running == 0:
-            left = self.store.claims(g.key)
-            if not g.driver.has_room():
-                # The budget is spent, so this sweep takes nothing more: it waits only for
-                # candidates other live sweeps are measuring now, not for queued or
-                # abandoned ones (a later sweep takes those).
-                left = [c for c in left if self._held_by_live_sweep(c)]
+            left = self._claims_left(g)
             if not left:
                 g.done = True
             elif self._note_dead(left):
                 config = self._take(g)
         return config
+
+    def _claims_left(self, g: _Group) -> list[ClaimRow]:
+        """The claims of `g`'s candidates this sweep still waits for."""
+        left = self.store.claims(g.key)
+        if not g.driver.has_room():
+            # The budget is spent, so this sweep takes nothing more: it waits only for
+            # candidates other live sweeps are measuring now, not for queued or abandoned
+            # ones (a later sweep takes those).
+            left = [c for c in left if self._held_by_live_sweep(c)]
+        return left
+
+    def _settle(self, groups: list[_Group]) -> None:
+        """Finish the shapes of `groups` (whose results were just stored) that have nothing
+        left to measure. A freed worker takes its next candidate, often of the next shape,
+        before its last result here is stored, and _claim_from may not look at this shape
+        again until that one runs out: a sweep stopped meanwhile would leave a fully
+        measured shape without its winner."""
+        for g in groups:
+            if not (g.done or g.running or g.driver.remaining() or self._claims_left(g)):
+                g.done = True
+        for r in self.runs:
+            if r.result is None and any(g is mine for g in groups for mine in r.groups):
+                self._maybe_finish(r)
 
     def _take(self, g: _Group) -> dict[str, Any] | None:
         """Claim a queued (or abandoned) candidate of `g` while the budget allows; for

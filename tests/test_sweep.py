@@ -211,3 +211,24 @@ def test_retry_refuses_to_delete_ok_trials(store):
 
     with pytest.raises(ValueError, match="failed, timeout or wrong"):
         store.delete_trials(TrialGroup(1, 1, "k", "toy", "src"), ("ok",))
+
+
+def test_a_shape_is_finished_as_soon_as_its_last_trial_is_stored(store):
+    """A worker moves on to the next shape before its last result of this one is stored, so
+    the shape must be finished when that result is stored, not when the worker later asks
+    for more: otherwise a sweep stopped while the next shape runs leaves a fully measured
+    shape without its winner."""
+    events = []
+
+    class Log:
+        def shape_started(self, shape, *a): ...
+        def backend_started(self, *a): ...
+        def trial_done(self, shape, *a): events.append(("trial", shape.key))
+        def shape_done(self, result): events.append(("done", result.shape.key))
+
+    shapes = [Shape.uniform(1, 8), Shape.uniform(2, 8)]
+    pins = {"toy": {"mode": ["ok"], "delay_ms": [0, 2]}}
+    run_sweep(shapes, [get_backend("toy")], store,
+              SweepOptions(policy=FAST, baselines=False, pins=pins), Log())
+    first, second = (s.key for s in shapes)
+    assert events.index(("done", first)) < events.index(("trial", second)), events
