@@ -28,7 +28,7 @@ PHASES = ("bounds loaded", "query block loaded", "last tile in registers",
 
 PATCHES = [
     probed_kernel.register_readers({"_clk": ("clock64", 64)}),
-    ("    dbg = DBG + ((b", "    t0 = _clk(pid_m)\n    dbg = DBG + ((b"),
+    probed_kernel.at_program_start("t0 = _clk(pid_m)"),
     ('''    kv_start, L, chunk, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
     if (r0 < rows) & (split < n_act):''', '''    kv_start, L, chunk, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
     t1 = _clk(kv_start + q_start)
@@ -47,22 +47,9 @@ PATCHES = [
      '''    tl.store(DBG + 4, _clk(tl.max(tl.max(s, 1), 0)))
     s = s * row_scale[None, :]
     valid = n_ok[:, None] & (offs_n[:, None] <= limit[None, :])'''),
-    ('''        l_safe = tl.where(l_i > 0, l_i, 1.0)
-''', '''        tl.store(dbg + 5, _clk(tl.max(l_i, 0)))
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-'''),
-    ('''                    tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit(do_not_specialize=["total_rows", "n_splits"])''',
-     '''                    tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", scope="gpu")
-        tl.debug_barrier()
-        tl.store(dbg + 6, _clk(pid_m))
-        tl.store(dbg + 0, t0)
-        tl.store(dbg + 1, t1)
-
-
-@triton.jit(do_not_specialize=["total_rows", "n_splits"])'''),
+    probed_kernel.at_loop_end("tl.store(dbg + 5, _clk(tl.max(l_i, 0)))"),
+    probed_kernel.at_program_end(["tl.store(dbg + 6, _clk(pid_m))", "tl.store(dbg + 0, t0)",
+                                  "tl.store(dbg + 1, t1)"]),
     ("def _attend_tile(kn_raw, kr_raw,", "def _attend_tile(DBG, kn_raw, kr_raw,"),
     ("    return _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT,",
      "    return _attend_tile(DBG, kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT,"),

@@ -66,6 +66,32 @@ def register_readers(readers: dict[str, tuple[str, int]]) -> Patch:
     return anchor, "".join(defs) + anchor
 
 
+def at_program_start(stmt: str) -> Patch:
+    """A patch running `stmt` (one line) first thing in every split program, before its
+    debug words are addressed (a probe of the program's start)."""
+    anchor = "    dbg = DBG + ((b"
+    return anchor, f"    {stmt}\n{anchor}"
+
+
+def at_loop_end(stmt: str) -> Patch:
+    """A patch running `stmt` (one line) once a bf16/fp8 program's KV loop is done and its
+    softmax state `l_i` is final, before the epilogue."""
+    anchor = "        l_safe = tl.where(l_i > 0, l_i, 1.0)\n"
+    return anchor, f"        {stmt}\n{anchor}"
+
+
+_PROGRAM_END = ('                    tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", '
+                'scope="gpu")\n')
+_NEXT_KERNEL = '\n\n@triton.jit(do_not_specialize=["total_rows", "n_splits"])'
+
+
+def at_program_end(stmts: Sequence[str]) -> Patch:
+    """A patch running `stmts` (one line each) after a split program's last statement (its
+    output, partial or fused merge stored), behind a barrier so every warp is done."""
+    body = "".join(f"        {s}\n" for s in ["tl.debug_barrier()", *stmts])
+    return _PROGRAM_END + _NEXT_KERNEL, _PROGRAM_END + body + _NEXT_KERNEL
+
+
 def probed_module(patches: Sequence[Patch], name: str) -> ModuleType:
     """kernels/triton/mla_decode.py with the debug buffer and `patches` applied in order,
     imported from a temporary file `name`.py."""

@@ -23,29 +23,16 @@ import probed_kernel  # noqa: E402
 
 PATCHES = [
     probed_kernel.register_readers({"_gtime": ("globaltimer", 64), "_smid": ("smid", 32)}),
-    ("    dbg = DBG + ((b", "    t0 = _gtime(pid_m)\n    dbg = DBG + ((b"),
+    probed_kernel.at_program_start("t0 = _gtime(pid_m)"),
     ("""                desc_r = KV_DESC_R
             if UPCAST:
                 n0 = lo""", """                desc_r = KV_DESC_R
             tl.store(dbg + 3, _gtime(tl.max(row_scale, 0) + lo))
             if UPCAST:
                 n0 = lo"""),
-    ("""        l_safe = tl.where(l_i > 0, l_i, 1.0)
-""", """        tl.store(dbg + 4, _gtime(tl.max(l_i, 0)))
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-"""),
-    ('''                    tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit(do_not_specialize=["total_rows", "n_splits"])''',
-     '''                    tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", scope="gpu")
-        tl.debug_barrier()
-        tl.store(dbg + 1, _gtime(pid_m))
-        tl.store(dbg + 0, t0)
-        tl.store(dbg + 2, _smid(pid_m).to(tl.int64))
-
-
-@triton.jit(do_not_specialize=["total_rows", "n_splits"])'''),
+    probed_kernel.at_loop_end("tl.store(dbg + 4, _gtime(tl.max(l_i, 0)))"),
+    probed_kernel.at_program_end(["tl.store(dbg + 1, _gtime(pid_m))", "tl.store(dbg + 0, t0)",
+                                  "tl.store(dbg + 2, _smid(pid_m).to(tl.int64))"]),
 ]
 """The timer probes (debug words: 0 start, 1 end, 2 SM, 3 loop start, 4 loop end), on top
 of probed_kernel's debug buffer."""

@@ -43,9 +43,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 from kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher  # noqa: E402
 from mla_tune.problem import KVFormat  # noqa: E402
 from mla_tune.timing import CudaTimer, TimingPolicy  # noqa: E402
-from triton_dev import make_inputs  # noqa: E402
+from triton_dev import CEILING_TBS, make_inputs  # noqa: E402
 
-CEILING_TBS = 4.58
 # (element dtype, row elements, first box width): each token's row is read as two boxes,
 # like the MLA kernel's nope and rope parts (a TMA box is at most 256 elements wide, and
 # Triton splits wider ones).

@@ -348,8 +348,7 @@ class _Sweep:
             if not (g.done or g.running or g.driver.remaining() or self._claims_left(g)):
                 g.done = True
         for r in self.runs:
-            if r.result is None and any(g is mine for g in groups for mine in r.groups):
-                self._maybe_finish(r)
+            self._maybe_finish(r)
 
     def _take(self, g: _Group) -> dict[str, Any] | None:
         """Claim a queued (or abandoned) candidate of `g` while the budget allows; for

@@ -13,16 +13,11 @@ pytest.importorskip("triton")
 _CHECK = r"""
 import sys
 sys.path.insert(0, "bench")
-import triton
-from triton.backends.compiler import GPUTarget
+import torch
 import descriptor_cost
-sig = {"base": "*u8", "OUT": "*fp32", "tiles_per_prog": "i32", "W": "constexpr",
-       "BN": "constexpr", "DA": "constexpr", "DB": "constexpr", "STAGES": "constexpr"}
-src = triton.compiler.ASTSource(fn=descriptor_cost.read_tiles_own_desc, signature=sig,
-                                constexprs={"W": 576, "BN": 64, "DA": 512, "DB": 64,
-                                            "STAGES": 3})
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 4, "num_stages": 3})
+from kernels.triton.precompile import jit_compile
+k = jit_compile(descriptor_cost.read_tiles_own_desc, "cuda:90", (torch.uint8, torch.float32, 7),
+                dict(W=576, BN=64, DA=512, DB=64, STAGES=3, num_warps=4, num_stages=3))
 ptx = k.asm["ptx"]
 print(k.metadata.shared // (64 * 576), "tensormap.replace" in ptx,
       ptx.count("cp.async.bulk.tensor") > 2)

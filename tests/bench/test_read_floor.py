@@ -14,21 +14,19 @@ pytest.importorskip("triton")
 _CHECK = r"""
 import sys
 sys.path.insert(0, "bench")
-import triton
-from triton.backends.compiler import GPUTarget
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 import read_floor
-for elem, bn, da, db in (("u8", 64, 512, 64), ("bf16", 32, 512, 64)):
+from kernels.triton.precompile import jit_compile
+for dtype, bn, da, db in ((torch.uint8, 64, 512, 64), (torch.bfloat16, 32, 512, 64)):
+    cache = torch.empty((1, da + db), dtype=dtype, device="meta")
+    descs = [TensorDescriptor(cache, [1, da + db], [da + db, 1], [bn, w]) for w in (da, db)]
     for stages in (3, 4):
-        sig = {"desc_a": f"tensordesc<{elem}[{bn}, {da}]>",
-               "desc_b": f"tensordesc<{elem}[{bn}, {db}]>", "OUT": "*fp32",
-               "tiles_per_prog": "i32", "total_tiles": "i32", "BN": "constexpr",
-               "DA": "constexpr", "DB": "constexpr", "STAGES": "constexpr"}
-        src = triton.compiler.ASTSource(
-            fn=read_floor.read_tiles, signature=sig,
-            constexprs={"BN": bn, "DA": da, "DB": db, "STAGES": stages})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 4, "num_stages": stages})
-        tile = bn * (da + db) * (2 if elem == "bf16" else 1)
+        k = jit_compile(read_floor.read_tiles, "cuda:90", (*descs, torch.float32, 7, 99),
+                        dict(BN=bn, DA=da, DB=db, STAGES=stages, num_warps=4,
+                             num_stages=stages))
+        tile = bn * (da + db) * dtype.itemsize
+        elem = "bf16" if dtype is torch.bfloat16 else "u8"
         print(elem, stages, k.metadata.shared // tile, k.asm["ptx"].count("cp.async.bulk.tensor"))
 """
 
