@@ -130,6 +130,7 @@ def sweep(
     pin: list[str] = typer.Option([], "--pin", help="Narrow a knob: BACKEND.KNOB=V1[,V2...], e.g. triton.num_splits=1,4 (repeatable)."),
     no_compile_ahead: bool = typer.Option(False, "--no-compile-ahead", help="Skip the compile stage (each GPU worker then compiles the kernels it meets)."),
     retry: list[str] = typer.Option([], "--retry", help="Measure again the stored trials with this outcome: failed, timeout or wrong (repeatable), e.g. after a transient out-of-memory."),
+    runoff: int = typer.Option(3, "--runoff", min=0, help="Time each shape's fastest K variants (and each other backend's fastest) again side by side, one call each in turn, and pick the winner from those times; 0 or 1 keeps the first times."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the candidates per shape and backend (and why a backend is skipped), then stop: nothing is run or stored."),
 ) -> None:
     """Tune shapes: enumerate variants, verify each against the reference, time it, store it.
@@ -174,7 +175,8 @@ def sweep(
     options = SweepOptions(devices=devices, strategy=strat, budget=budget, seed=seed,
                            policy=TimingPolicy(budget_s=time_budget), baselines=not no_baseline,
                            candidate_timeout_s=candidate_timeout, pins=pins,
-                           compile_ahead=not no_compile_ahead, retry=retry_statuses)
+                           compile_ahead=not no_compile_ahead, retry=retry_statuses,
+                           runoff=runoff)
     # SIGTERM stops the sweep as cleanly as Ctrl-C (workers ignore both; the driver ends them).
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -273,18 +275,23 @@ def _print_plan(shapes: Sequence[Shape], backends: Sequence[Any], device: str,
 
 def _print_winners(results: Sequence[Any]) -> None:
     table = Table(title="winners")
-    for col in ("shape", "backend", "config", "median µs", "new", "reused"):
+    for col in ("shape", "backend", "config", "median µs", "new", "reused", "side by side"):
         table.add_column(col)
     for r in results:
         w = r.winner
         new = sum(b.new_trials for b in r.backends)
         reused = sum(b.reused_trials for b in r.backends)
+        together = str(r.side_by_side) if r.side_by_side else "-"
         if w is None:
-            table.add_row(r.shape.label(), "-", "no correct variant", "-", str(new), str(reused))
+            table.add_row(r.shape.label(), "-", "no correct variant", "-", str(new), str(reused),
+                          together)
         else:
             table.add_row(r.shape.label(), w.backend, json.dumps(w.config, sort_keys=True),
-                          f"{w.median_us:.1f}", str(new), str(reused))
+                          f"{w.median_us:.1f}", str(new), str(reused), together)
     out.print(table)
+    if any(r.side_by_side for r in results):
+        console.print("side by side: finalists timed again in one interleaved run; the winner "
+                      "and its time come from that run", highlight=False, style="dim")
     skipped = {(b.name, b.skipped) for r in results for b in r.backends if b.skipped}
     for name, reason in sorted(skipped):
         console.print(f"skipped {name}: {reason}", highlight=False)
@@ -362,15 +369,16 @@ def _print_report(rows: Sequence[Any], suite: Sequence[Shape] | None) -> None:
     from mla_tune.report import suite_summaries
 
     table = Table(title=f"tuned winners ({len(rows)})")
-    for col in ("device", "shape", "winner", "config", "µs", "±95%", "GB/s", "% read bw",
-                "baseline", "vs baseline", "vs torch", "trials ok/wrong/fail/timeout"):
+    for col in ("device", "shape", "winner", "config", "µs", "±95%", "side by side", "GB/s",
+                "% read bw", "baseline", "vs baseline", "vs torch",
+                "trials ok/wrong/fail/timeout"):
         table.add_column(col, overflow="fold")
     for r in rows:
         c = r.counts
         table.add_row(
             r.device, r.shape.label(), r.winner_label, json.dumps(r.config, sort_keys=True),
             f"{r.median_us:.1f}", f"{r.ci95_us:.1f}" if r.ci95_us is not None else "-",
-            f"{r.eff_gbps:.0f}", f"{r.pct_of_read_bw:.0f}%" if r.pct_of_read_bw else "-",
+            str(r.side_by_side) if r.side_by_side else "-", f"{r.eff_gbps:.0f}", f"{r.pct_of_read_bw:.0f}%" if r.pct_of_read_bw else "-",
             f"{r.baseline_backend} {r.baseline_us:.1f}" if r.baseline_us else "-",
             f"{r.speedup_vs_baseline:.2f}x" if r.speedup_vs_baseline else "-",
             f"{r.speedup_vs_torch:.2f}x" if r.speedup_vs_torch else "-",

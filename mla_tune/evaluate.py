@@ -1,4 +1,5 @@
-"""Evaluate one candidate: build -> run once -> verify against the reference -> time.
+"""Evaluate candidates: build -> run once -> verify against the reference -> time, one at a
+time (a sweep's trials) or several side by side (its finalists' re-timing).
 
 This is the unit of work of a sweep. It never raises: every failure becomes a recorded
 outcome, so one broken variant cannot stop the sweep.
@@ -6,15 +7,16 @@ outcome, so one broken variant cannot stop the sweep.
 
 from __future__ import annotations
 
+import functools
 import time
 import traceback
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from mla_tune.backends.base import Backend
+from mla_tune.backends.base import Backend, KernelFn
 from mla_tune.problem import Shape, TaskInput
 from mla_tune.timing import Timer, TimingStats
 from mla_tune.verify import Tolerance, check
@@ -46,10 +48,28 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def evaluate(backend: Backend, shape: Shape, config: Mapping[str, Any], device: torch.device,
-             data: TaskInput, ref: torch.Tensor, tol: Tolerance, timer: Timer) -> TrialOutcome:
-    """Build, verify and time one variant; a variant is timed only if it is correct."""
-    device = torch.device(device)
+def _build_verified(backend: Backend, shape: Shape, config: Mapping[str, Any],
+                    device: torch.device, data: TaskInput, ref: torch.Tensor, tol: Tolerance,
+                    lap: Callable[[str], None]) -> tuple[KernelFn | None, TrialOutcome]:
+    """(the built variant, its 'ok' outcome without timing) if it is correct, else (None,
+    why not); raises on errors."""
+    reason = backend.precheck(shape, config, device)
+    lap("precheck")
+    if reason:
+        return None, TrialOutcome("failed", error=f"skipped before timing: {reason}")
+    fn = backend.build(shape, config, device)
+    lap("build")
+    out = fn(data)
+    _sync(device)
+    result = check(out, ref, tol)
+    lap("verify")
+    if not result.ok:
+        return None, TrialOutcome("wrong", max_abs_err=result.max_abs_err,
+                                  mismatch_frac=result.mismatch_frac, error=result.reason)
+    return fn, TrialOutcome("ok", None, result.max_abs_err, result.mismatch_frac)
+
+
+def _laps() -> tuple[dict[str, float], Callable[[str], None]]:
     phases: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -59,25 +79,51 @@ def evaluate(backend: Backend, shape: Shape, config: Mapping[str, Any], device: 
         phases[name] = now - clock
         clock = now
 
+    return phases, lap
+
+
+def evaluate(backend: Backend, shape: Shape, config: Mapping[str, Any], device: torch.device,
+             data: TaskInput, ref: torch.Tensor, tol: Tolerance, timer: Timer) -> TrialOutcome:
+    """Build, verify and time one variant; a variant is timed only if it is correct."""
+    device = torch.device(device)
+    phases, lap = _laps()
     try:
-        reason = backend.precheck(shape, config, device)
-        lap("precheck")
-        if reason:
-            return TrialOutcome("failed", error=f"skipped before timing: {reason}",
-                                phases=phases)
-        fn = backend.build(shape, config, device)
-        lap("build")
-        out = fn(data)
-        _sync(device)
-        result = check(out, ref, tol)
-        lap("verify")
-        if not result.ok:
-            return TrialOutcome("wrong", max_abs_err=result.max_abs_err,
-                                mismatch_frac=result.mismatch_frac, error=result.reason,
-                                phases=phases)
+        fn, outcome = _build_verified(backend, shape, config, device, data, ref, tol, lap)
+        if fn is None:
+            return replace(outcome, phases=phases)
         stats = timer.measure(lambda: fn(data))
         lap("time")
-        return TrialOutcome("ok", stats, result.max_abs_err, result.mismatch_frac,
-                            phases=phases)
+        return replace(outcome, stats=stats, phases=phases)
     except Exception as exc:  # noqa: BLE001 - any variant failure is data, not a crash
         return TrialOutcome("failed", error=_error_text(exc), phases=phases)
+
+
+def evaluate_side_by_side(candidates: Sequence[tuple[Backend, Mapping[str, Any]]],
+                          shape: Shape, device: torch.device, data: TaskInput,
+                          ref: torch.Tensor, tol: Tolerance, timer: Timer) -> list[TrialOutcome]:
+    """Build and verify several variants of one shape, then time the correct ones in turn,
+    one call each per round (`Timer.measure_interleaved`), so they share the device's
+    slow and fast moments. One outcome per candidate, in order; never raises."""
+    device = torch.device(device)
+    outcomes: list[TrialOutcome] = []
+    fns: list[tuple[int, KernelFn]] = []
+    for i, (backend, config) in enumerate(candidates):
+        phases, lap = _laps()
+        try:
+            fn, outcome = _build_verified(backend, shape, config, device, data, ref, tol, lap)
+        except Exception as exc:  # noqa: BLE001 - any variant failure is data, not a crash
+            fn, outcome = None, TrialOutcome("failed", error=_error_text(exc))
+        outcomes.append(replace(outcome, phases=phases))
+        if fn is not None:
+            fns.append((i, fn))
+    if not fns:
+        return outcomes
+    try:
+        stats = timer.measure_interleaved([functools.partial(f, data) for _, f in fns])
+    except Exception as exc:  # noqa: BLE001 - one failing call ends the round for all
+        err = _error_text(exc)
+        return [replace(o, status="failed", error=err) if o.status == "ok" else o
+                for o in outcomes]
+    for (i, _), st in zip(fns, stats):
+        outcomes[i] = replace(outcomes[i], stats=st)
+    return outcomes

@@ -126,6 +126,16 @@ class ReportRow:
     superseded: bool = False
     """Its backend's kernel sources have been measured in a newer version since: the
     winner describes code that no longer runs (the dispatcher ignores it)."""
+    trial_id: int | None = None
+
+    @property
+    def side_by_side(self) -> int:
+        """How many trials were timed in one interleaved run with the winner, it included
+        (sweep --runoff); 0 when its time is its first one."""
+        win = next((t for t in self.trials if t.id == self.trial_id), None)
+        if win is None or win.remeasured_at is None:
+            return 0
+        return sum(1 for t in self.trials if t.remeasured_at == win.remeasured_at)
 
     @property
     def speedup_vs_baseline(self) -> float | None:
@@ -157,7 +167,7 @@ class ReportRow:
             "baseline_us": self.baseline_us, "speedup_vs_baseline": self.speedup_vs_baseline,
             "torch_us": self.torch_us, "speedup_vs_torch": self.speedup_vs_torch,
             "trials": self.counts, "knob_spread": self.knob_spread,
-            "superseded": self.superseded,
+            "superseded": self.superseded, "side_by_side": self.side_by_side,
         }
 
     @property
@@ -203,7 +213,7 @@ def _row(w: WinnerRow, trials: list[TrialRow], superseded: bool) -> ReportRow:
         counts=dict(Counter(t.status for t in trials)),
         mean_us=win.mean_us if win else None, device_hash=w.device.hash,
         software_hash=w.software.hash, updated_at=w.updated_at, trials=tuple(trials),
-        superseded=superseded)
+        superseded=superseded, trial_id=w.trial_id)
 
 
 def report_rows(store: TuningStore, shape_key: str | None = None, *,

@@ -1,5 +1,6 @@
 """The sweep: for each shape, every available backend's candidates are built, verified
-against the float32 reference, timed, and stored; then the shape's winner is updated.
+against the float32 reference, timed, and stored; then the shape's finalists are timed
+again side by side (`mla_tune.runoff`) and the shape's winner is updated.
 
 Candidates run in worker processes (`mla_tune.workers`), one per device slot, never in
 this process: a variant that crashes, hangs or exhausts memory costs one recorded trial,
@@ -34,15 +35,21 @@ from mla_tune.backends import (
     source_hashes,
 )
 from mla_tune.compile_ahead import CompileStage, CompileSummary
-from mla_tune.db import ClaimRow, TrialGroup, TuningStore, WinnerRow
+from mla_tune.db import ClaimRow, TrialGroup, TrialRow, TuningStore, WinnerRow
 from mla_tune.evaluate import TrialOutcome
-from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint, current_software
+from mla_tune.fingerprint import (
+    DeviceFingerprint,
+    SoftwareFingerprint,
+    current_software,
+)
 from mla_tune.problem import Shape
+from mla_tune.runoff import DEFAULT_FINALISTS, finalists, timed_together
 from mla_tune.search import SearchDriver, Strategy, make_sampler, study_name
 from mla_tune.timing import TimingPolicy
 from mla_tune.workers import (
     BandwidthJob,
     Done,
+    RunoffJob,
     TrialJob,
     WarmupJob,
     WorkerPool,
@@ -76,6 +83,9 @@ class SweepOptions:
     # Trial outcomes to measure again (`--retry`): stored trials with these statuses are
     # deleted for the keys swept, so their configs are candidates again.
     retry: tuple[str, ...] = ()
+    # Finalists timed again side by side before a shape's winner is picked
+    # (`--runoff`, mla_tune.runoff); below 2, winners come from the first times.
+    runoff: int = DEFAULT_FINALISTS
 
 
 class SweepError(RuntimeError):
@@ -96,6 +106,8 @@ class ShapeResult:
     shape: Shape
     winner: WinnerRow | None
     backends: list[BackendSummary]
+    # Finalists whose times come from one side-by-side run (0: the first times stand).
+    side_by_side: int = 0
 
 
 class SweepInterrupted(Exception):
@@ -181,6 +193,15 @@ class _ShapeRun:
     summaries: list[BackendSummary]
     groups: list[_Group]
     result: ShapeResult | None = None
+    runoff: str = ""  # "", then "queued" or "running" while its finalists are re-timed
+
+
+@dataclass
+class _Runoff:
+    """A shape's finalists waiting for (or on) a worker to time them side by side."""
+
+    run: _ShapeRun
+    trials: list[TrialRow]
 
 
 class _Sweep:
@@ -201,7 +222,8 @@ class _Sweep:
         self.owner = owner_id()
         self.dead: set[str] = set()
         self.runs: list[_ShapeRun] = []
-        self.out: dict[int, tuple[_Group, dict[str, Any]]] = {}
+        self.out: dict[int, tuple[_Group, dict[str, Any]] | _Runoff] = {}
+        self.runoffs: list[_Runoff] = []
         # Shape whose input and reference each worker slot holds (it regenerates them when
         # it moves to another shape, so each worker keeps to a shape of its own).
         self.holds: dict[int, str] = {}
@@ -237,7 +259,7 @@ class _Sweep:
             t1 = time.perf_counter()
             for done, job in finished:
                 self._handle(done, job)
-            self._settle([job[0] for _, job in finished if job is not None])
+            self._settle([job[0] for _, job in finished if isinstance(job, tuple)])
             if finished:
                 log.debug("next candidates out in %.0f ms; %d result(s) stored in %.0f ms",
                           (t1 - t0) * 1e3, len(finished), (time.perf_counter() - t1) * 1e3)
@@ -274,16 +296,29 @@ class _Sweep:
                              self.options.candidate_timeout_s)
 
     def _fill(self) -> None:
+        """Give every idle worker a job: a shape's run-off first (it finishes the shape),
+        else its next candidate."""
         for slot in self.pool.idle():
-            job = self._next_job(slot)
+            job = None if self.runoffs else self._next_job(slot)
             if job is None:
-                return
+                if not self.runoffs:  # _next_job may have queued one
+                    return
+                self._submit_runoff(slot, self.runoffs.pop(0))
+                continue
             group, config = job
             self.pool.submit(slot, TrialJob(group.shape.to_json(), group.backend.name, config),
                              self.options.candidate_timeout_s)
             self.out[slot] = (group, config)
             self.holds[slot] = group.shape.key
             group.running += 1
+
+    def _submit_runoff(self, slot: int, task: _Runoff) -> None:
+        cands = tuple((t.backend, t.config) for t in task.trials)
+        self.pool.submit(slot, RunoffJob(task.run.shape.to_json(), cands),
+                         self.options.candidate_timeout_s * len(cands))
+        task.run.runoff = "running"
+        self.out[slot] = task
+        self.holds[slot] = task.run.shape.key
 
     def _next_job(self, slot: int) -> tuple[_Group, dict[str, Any]] | None:
         """A claimed candidate for `slot`: of the shape it holds inputs for, else of an
@@ -426,18 +461,65 @@ class _Sweep:
         self._maybe_finish(run)
 
     def _maybe_finish(self, run: _ShapeRun) -> None:
-        """Store the shape's winner once every candidate of it is stored (by any sweep)."""
-        if run.result is not None or not all(g.done for g in run.groups):
+        """Store the shape's winner once every candidate of it is stored (by any sweep),
+        then queue its finalists' side-by-side run-off, which picks the final winner. The
+        first winner is stored before that, so a sweep stopped during the run-off leaves
+        one."""
+        if run.result is not None or run.runoff or not all(g.done for g in run.groups):
             return
         winner = self.store.update_winner(self.device_id, self.software_id, run.shape.key,
                                           self.sources)
-        run.result = ShapeResult(run.shape, winner, run.summaries)
+        trials = [t for g in run.groups for t in self.store.trials(
+            device_id=self.device_id, software_id=self.software_id, shape_key=run.shape.key,
+            backend=g.backend.name, source_hash=g.key.source_hash)]
+        chosen = finalists(trials, self.options.runoff)
+        if chosen and not timed_together(chosen):
+            run.runoff = "queued"
+            self.runoffs.append(_Runoff(run, chosen))
+            return
+        stamp = next((t.remeasured_at for t in trials
+                      if winner is not None and t.id == winner.trial_id), None)
+        self._finish(run, winner, sum(1 for t in trials
+                                      if stamp is not None and t.remeasured_at == stamp))
+
+    def _finish(self, run: _ShapeRun, winner: WinnerRow | None, side_by_side: int) -> None:
+        run.result = ShapeResult(run.shape, winner, run.summaries, side_by_side)
         if self.observer:
             self.observer.shape_done(run.result)
 
-    def _handle(self, done: Done, job: tuple[_Group, dict[str, Any]] | None) -> None:
-        """Store a finished job: `job` is the group and config the slot was running."""
+    def _runoff_done(self, task: _Runoff, outcomes: Sequence[TrialOutcome]) -> None:
+        """Store the finalists' side-by-side times and update the winner. A finalist
+        that is wrong this time is stored as wrong, so it never wins; when none was timed
+        (the worker died), the first times stand."""
+        timed = {t.id: o.stats.to_dict() for t, o in zip(task.trials, outcomes)
+                 if o.status == "ok" and o.stats is not None}
+        try:
+            for t, o in zip(task.trials, outcomes):
+                if o.status != "ok":
+                    log.warning("%s: finalist %s %s was %s when timed again: %s",
+                                task.run.shape.key, t.backend, t.config_key, o.status,
+                                o.error)
+                if o.status == "wrong":  # not reliably correct: never a winner
+                    self.store.mark_wrong(t.id, f"wrong when built again to be timed side "
+                                                f"by side: {o.error}", o.max_abs_err,
+                                          o.mismatch_frac)
+            if timed:
+                self.store.record_remeasure(timed)
+        except ValueError as exc:  # another sweep changed these trials meanwhile
+            log.warning("%s: side-by-side times not stored: %s", task.run.shape.key, exc)
+            timed = {}
+        winner = self.store.update_winner(self.device_id, self.software_id,
+                                          task.run.shape.key, self.sources)
+        task.run.runoff = ""
+        self._finish(task.run, winner, len(timed))
+
+    def _handle(self, done: Done, job: tuple[_Group, dict[str, Any]] | _Runoff | None) -> None:
+        """Store a finished job: `job` is the group and config the slot was running, or the
+        run-off it was timing."""
         if isinstance(done.job, WarmupJob):
+            return
+        if isinstance(job, _Runoff):
+            self._runoff_done(job, done.result)
             return
         if isinstance(done.job, BandwidthJob):
             if done.result:

@@ -32,7 +32,12 @@ from typing import Any, Protocol
 import torch
 
 from mla_tune.backends import get_backend, register
-from mla_tune.evaluate import MAX_ERROR_CHARS, TrialOutcome, evaluate
+from mla_tune.evaluate import (
+    MAX_ERROR_CHARS,
+    TrialOutcome,
+    evaluate,
+    evaluate_side_by_side,
+)
 from mla_tune.fingerprint import DeviceFingerprint, current_device
 from mla_tune.problem import Shape, TaskInput, generate_input
 from mla_tune.reference import mla_decode_reference
@@ -132,6 +137,32 @@ class TrialJob:
 
     def lost(self, status: str, cause: str) -> TrialOutcome:
         return TrialOutcome(status, error=cause)
+
+
+@dataclass(frozen=True)
+class RunoffJob:
+    """Time a shape's finalists again side by side (mla_tune.runoff): each is built and
+    verified, then all correct ones are timed in turn, one call each per round."""
+
+    shape: dict[str, Any]
+    candidates: tuple[tuple[str, dict[str, Any]], ...]  # (backend, config) each
+
+    def run(self, ctx: WorkerContext) -> list[TrialOutcome]:
+        shape = Shape.from_json(self.shape)
+        try:
+            data, ref, tol = ctx.inputs(shape)
+            backends = [(get_backend(name), config) for name, config in self.candidates]
+        except Exception as exc:  # noqa: BLE001 - the sweep keeps the first times
+            return self.lost("failed", f"could not prepare the finalists: "
+                                       f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
+        outcomes = evaluate_side_by_side(backends, shape, ctx.device, data, ref, tol,
+                                         ctx.timer)
+        if any(o.status == "failed" for o in outcomes):
+            ctx.free_memory()
+        return outcomes
+
+    def lost(self, status: str, cause: str) -> list[TrialOutcome]:
+        return [TrialOutcome(status, error=cause) for _ in self.candidates]
 
 
 @dataclass(frozen=True)

@@ -232,3 +232,71 @@ def test_a_shape_is_finished_as_soon_as_its_last_trial_is_stored(store):
               SweepOptions(policy=FAST, baselines=False, pins=pins), Log())
     first, second = (s.key for s in shapes)
     assert events.index(("done", first)) < events.index(("trial", second)), events
+
+
+def _set_medians(store, shape, medians):
+    """Overwrite stored first times, as if they had been measured in another moment."""
+    import sqlite3
+
+    from mla_tune.db import resolve_url
+
+    conn = sqlite3.connect(resolve_url(store.url).database)
+    for t in store.trials(shape_key=shape.key):
+        if t.status == "ok":
+            conn.execute("UPDATE mt_trials SET median_us = ? WHERE id = ?",
+                         (medians[t.config["delay_ms"]], t.id))
+    conn.commit()
+    conn.close()
+
+
+def test_runoff_picks_the_winner_from_finalists_timed_side_by_side(store):
+    shape = Shape.uniform(2, 8)
+    toy = get_backend("toy")
+    run_sweep([shape], [toy], store, SweepOptions(policy=FAST, baselines=False, runoff=0))
+    assert all(t.remeasured_at is None for t in store.trials())
+    # First times that rank the slowest variant first, all within the run-off's window:
+    # what a device's slow and fast moments can do to close variants timed one by one.
+    _set_medians(store, shape, {4: 1000.0, 2: 1001.0, 0: 1002.0})
+    assert run_sweep([shape], [toy], store,
+                     SweepOptions(policy=FAST, baselines=False, runoff=0))[0].winner.config[
+        "delay_ms"] == 4
+    (res,) = run_sweep([shape], [toy], store, SweepOptions(policy=FAST, baselines=False))
+    assert res.side_by_side == 3 and res.backends[0].new_trials == 0
+    ok = {t.config["delay_ms"]: t for t in store.trials() if t.status == "ok"}
+    assert {d: t.first_median_us for d, t in ok.items()} == {4: 1000.0, 2: 1001.0, 0: 1002.0}
+    assert len({t.remeasured_at for t in ok.values()}) == 1 and ok[0].remeasured_at
+    side = {d: t.runoff_median_us for d, t in ok.items()}
+    assert side[0] < 1000 and 2000 < side[2] < 4000 < side[4]
+    # Each keeps its better timing: the run-off's for delay 0, the (flattering) first for
+    # the others, which still lose to delay 0's true time.
+    assert {d: t.median_us for d, t in ok.items()} == {0: side[0], 2: 1001.0, 4: 1000.0}
+    assert res.winner.config == {"delay_ms": 0, "mode": "ok"}
+    assert (res.winner.trial_id, res.winner.median_us) == (ok[0].id, side[0])
+    # Already timed together: a later sweep keeps that run and its winner.
+    (again,) = run_sweep([shape], [toy], store, SweepOptions(policy=FAST, baselines=False))
+    assert again.side_by_side == 3
+    assert (again.winner.trial_id, again.winner.median_us) == (ok[0].id, ok[0].median_us)
+    assert [t.remeasured_at for t in store.trials() if t.status == "ok"] == [
+        t.remeasured_at for t in ok.values()]
+
+
+def test_a_finalist_wrong_when_timed_again_cannot_win(store, tmp_path, monkeypatch):
+    from tests.fixtures.toy_backends import FLAKY_ENV
+
+    register("flaky", "tests.fixtures.toy_backends:FlakyBackend")
+    flag = tmp_path / "now-wrong"
+    monkeypatch.setenv(FLAKY_ENV, str(flag))
+    shape = Shape.uniform(2, 8)
+    flaky = get_backend("flaky")
+    run_sweep([shape], [flaky], store, SweepOptions(policy=FAST, baselines=False, runoff=0))
+    _set_medians(store, shape, {0: 1000.0, 2: 1001.0})
+    flag.touch()
+    (res,) = run_sweep([shape], [flaky], store, SweepOptions(policy=FAST, baselines=False))
+    trials = {t.config["delay_ms"]: t for t in store.trials()}
+    assert trials[0].status == "wrong" and "wrong when built again" in trials[0].error
+    assert trials[0].first_median_us == 1000.0 and trials[0].median_us is None
+    assert trials[2].remeasured_at is not None and trials[2].first_median_us == 1001.0
+    assert res.winner.config["delay_ms"] == 2 and res.side_by_side == 1
+    flag.unlink()  # even when it would pass again, a later sweep does not pick it
+    (again,) = run_sweep([shape], [flaky], store, SweepOptions(policy=FAST, baselines=False))
+    assert again.winner.config["delay_ms"] == 2

@@ -1,4 +1,5 @@
 import math
+import time
 
 import pytest
 
@@ -37,3 +38,25 @@ def test_wall_timer_measures_real_time():
     stats = timer.measure(lambda: (calls.append(1), time.sleep(0.002)))
     assert stats.n == 5 and len(calls) == 6  # warm-up call is not timed
     assert 2000 <= stats.min_us < 50000
+
+
+def test_interleaved_timing_takes_blocks_of_each_in_turn():
+    from mla_tune.timing import INTERLEAVE_BLOCK as B
+
+    calls: list[str] = []
+    timer = WallTimer(TimingPolicy(warmup=1, min_runs=5, max_runs=2 * B, budget_s=10.0,
+                                   target_rse=0.0))
+    fast, slow = (lambda: calls.append("a")), (lambda: (calls.append("b"), time.sleep(0.002)))
+    a, b = timer.measure_interleaved([fast, slow])
+    assert calls[:2] == ["a", "b"]  # the warm-up calls
+    # Then in turn, one untimed and B timed calls of each, until each has max_runs.
+    assert calls[2:] == (["a"] * (B + 1) + ["b"] * (B + 1)) * 2
+    assert a.n == b.n == 2 * B
+    assert b.median_us > 2000 > a.median_us
+
+
+def test_a_single_callable_is_timed_call_by_call():
+    calls: list[str] = []
+    timer = WallTimer(TimingPolicy(warmup=2, min_runs=3, max_runs=3, target_rse=0.0))
+    assert timer.measure(lambda: calls.append("a")).n == 3
+    assert len(calls) == 5

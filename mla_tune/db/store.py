@@ -162,6 +162,9 @@ class TrialRow:
     error: str | None
     worker: str | None
     created_at: datetime
+    first_median_us: float | None = None
+    runoff_median_us: float | None = None
+    remeasured_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -387,7 +390,9 @@ def _trial_row(t: Trial) -> TrialRow:
         status=t.status, median_us=t.median_us, mean_us=t.mean_us, std_us=t.std_us,
         min_us=t.min_us, max_us=t.max_us, n=t.n, max_abs_err=t.max_abs_err,
         mismatch_frac=t.mismatch_frac, error=t.error, worker=t.worker,
-        created_at=_aware(t.created_at),
+        created_at=_aware(t.created_at), first_median_us=t.first_median_us,
+        runoff_median_us=t.runoff_median_us,
+        remeasured_at=None if t.remeasured_at is None else _aware(t.remeasured_at),
     )
 
 
@@ -633,6 +638,57 @@ class TuningStore:
             s.execute(delete(Claim).where(*(getattr(Claim, k) == v for k, v in key.items())))
             where = [getattr(Trial, k) == v for k, v in key.items()]
             return s.execute(select(Trial.id).where(*where)).scalar_one()
+
+    @_writes
+    def record_remeasure(self, results: Mapping[int, Mapping[str, float | int]]) -> datetime:
+        """Store the side-by-side re-timing of a shape's finalists, {trial id: stats}, in one
+        transaction. Each trial keeps the statistics of its better timing (lower median),
+        its first median in `first_median_us`, this timing's in `runoff_median_us`, and the
+        same `remeasured_at` as the others, which is returned. Only 'ok' trials can be
+        re-timed.
+
+        The better of two timings, because each can be spoiled, in opposite ways: a first
+        one by a slow moment of the device (finalists timed one by one), a re-timing by a
+        slow moment of one variant's launches (seen on the H200 for a few small-shape
+        variants)."""
+        for tid, stats in results.items():
+            median = stats.get("median_us")
+            if set(stats) != set(STAT_KEYS) or median is None or not math.isfinite(median):
+                raise ValueError(f"trial {tid}: re-timing needs finite stats {STAT_KEYS}, "
+                                 f"got {dict(stats)}")
+        now = utcnow()
+        with self._session() as s:
+            trials = {t.id: t for t in s.scalars(select(Trial).where(Trial.id.in_(results)))}
+            for tid, stats in results.items():
+                t = trials.get(tid)
+                if t is None or t.status != "ok":
+                    raise ValueError(f"trial {tid} is not a stored 'ok' trial; only those "
+                                     "can be re-timed")
+                if t.first_median_us is None:
+                    t.first_median_us = t.median_us
+                t.runoff_median_us = float(stats["median_us"])
+                if t.median_us is None or stats["median_us"] < t.median_us:
+                    for k in STAT_KEYS:
+                        setattr(t, k, stats[k])
+                t.remeasured_at = now
+        return now
+
+    @_writes
+    def mark_wrong(self, trial_id: int, error: str, max_abs_err: float | None = None,
+                   mismatch_frac: float | None = None) -> None:
+        """Turn an 'ok' trial whose variant later failed the check (built again for a
+        side-by-side re-timing) into a 'wrong' one, so no winner is ever picked from it;
+        its first median is kept in `first_median_us`."""
+        with self._session() as s:
+            t = s.get(Trial, trial_id)
+            if t is None or t.status != "ok":
+                raise ValueError(f"trial {trial_id} is not a stored 'ok' trial")
+            if t.first_median_us is None:
+                t.first_median_us = t.median_us
+            for k in STAT_KEYS:
+                setattr(t, k, None)
+            t.status, t.error = "wrong", error[:2000]
+            t.max_abs_err, t.mismatch_frac = max_abs_err, mismatch_frac
 
     def _db_now(self) -> ColumnElement[float]:
         """Seconds since the epoch by the database's clock: heartbeats written from several

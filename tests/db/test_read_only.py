@@ -26,11 +26,11 @@ def _fill(url: str) -> None:
         assert s.update_winner(dev, sw, SHAPE_KEY, {"triton": SOURCE}) is not None
 
 
-def _set_revision(url: str, rev: str, drop: str | None = None) -> None:
+def _set_revision(url: str, rev: str, undo: tuple[str, ...] = ()) -> None:
     engine = create_engine(url)
     with engine.begin() as conn:
-        if drop:
-            conn.execute(text(f"DROP TABLE {drop}"))
+        for statement in undo:
+            conn.execute(text(statement))
         conn.execute(text("UPDATE mt_alembic_version SET version_num = :r"), {"r": rev})
     engine.dispose()
 
@@ -77,12 +77,17 @@ def test_reads_what_was_written_and_refuses_every_write(url):
 
 def test_older_revision_is_refused_with_how_to_upgrade(url):
     _fill(url)
-    _set_revision(url, "0001", drop="mt_claims")  # what revision 0002 added
-    with pytest.raises(DBError, match=r"revision 0001, older than .*mla-tune sweep"):
+    _set_revision(url, "0002", undo=(  # what revision 0003 added
+        "ALTER TABLE mt_trials DROP COLUMN first_median_us",
+        "ALTER TABLE mt_trials DROP COLUMN runoff_median_us",
+        "ALTER TABLE mt_trials DROP COLUMN remeasured_at"))
+    with pytest.raises(DBError, match=r"revision 0002, older than .*mla-tune sweep"):
         TuningStore(url, read_only=True)
     TuningStore(url).close()  # a read-write open (what a sweep does) upgrades it ...
-    with TuningStore(url, read_only=True) as ro:  # ... and then it reads
+    with TuningStore(url, read_only=True) as ro:  # ... and then it reads, trials intact
         assert len(ro.winners()) == 1
+        (t,) = ro.trials()
+        assert (t.median_us, t.first_median_us, t.remeasured_at) == (12.5, None, None)
 
 
 def test_unknown_revision_is_refused_as_newer(url):

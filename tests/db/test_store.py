@@ -50,7 +50,7 @@ def test_migrates_an_empty_file(tmp_path):
     conn = sqlite3.connect(path)
     tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     assert tables == OUR_TABLES
-    assert conn.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchall() == [("0002",)]
+    assert conn.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchall() == [("0003",)]
     assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
     conn.close()
 
@@ -161,6 +161,56 @@ def test_winner_ties_go_to_the_earlier_trial(store, ids):
     _record(store, ids, {"c": 2}, median=5.0)
     w = store.update_winner(ids["device_id"], ids["software_id"], SHAPE_KEY, {"triton": "src1"})
     assert w.trial_id == first
+
+
+def test_remeasure_keeps_the_better_timing_and_both_medians(store, ids):
+    d, s = ids["device_id"], ids["software_id"]
+    a = _record(store, ids, {"c": 1}, median=10.0)
+    b = _record(store, ids, {"c": 2}, median=10.5)
+    c = _record(store, ids, {"c": 3}, median=10.8)  # not a finalist
+    at = store.record_remeasure({a: _stats(12.0), b: _stats(9.5)})
+    rows = {t.id: t for t in store.trials()}
+    # a: its first timing was the better one; b: the re-timing was.
+    assert (rows[a].median_us, rows[a].mean_us, rows[a].first_median_us,
+            rows[a].runoff_median_us, rows[a].remeasured_at) == (10.0, 10.5, 10.0, 12.0, at)
+    assert (rows[b].median_us, rows[b].mean_us, rows[b].first_median_us,
+            rows[b].runoff_median_us, rows[b].remeasured_at) == (9.5, 10.0, 10.5, 9.5, at)
+    assert (rows[c].median_us, rows[c].first_median_us, rows[c].remeasured_at) == (10.8, None,
+                                                                                 None)
+    assert store.update_winner(d, s, SHAPE_KEY, {"triton": "src1"}).trial_id == b
+    # A second re-timing keeps the very first median and the best timing so far.
+    store.record_remeasure({a: _stats(9.0), b: _stats(9.8)})
+    rows = {t.id: t for t in store.trials()}
+    assert (rows[a].median_us, rows[a].first_median_us, rows[a].runoff_median_us) == (9.0, 10.0,
+                                                                                        9.0)
+    assert (rows[b].median_us, rows[b].first_median_us, rows[b].runoff_median_us) == (9.5, 10.5,
+                                                                                        9.8)
+    assert store.update_winner(d, s, SHAPE_KEY, {"triton": "src1"}).trial_id == a
+
+
+def test_mark_wrong_keeps_the_first_median_and_takes_the_trial_out_of_the_running(store, ids):
+    d, s = ids["device_id"], ids["software_id"]
+    fast = _record(store, ids, {"c": 1}, median=9.0)
+    slow = _record(store, ids, {"c": 2}, median=10.0)
+    store.mark_wrong(fast, "wrong when built again", max_abs_err=2.0, mismatch_frac=0.5)
+    t = {t.id: t for t in store.trials()}[fast]
+    assert (t.status, t.median_us, t.first_median_us, t.max_abs_err) == ("wrong", None, 9.0, 2.0)
+    assert store.update_winner(d, s, SHAPE_KEY, {"triton": "src1"}).trial_id == slow
+    with pytest.raises(ValueError, match="not a stored 'ok' trial"):
+        store.mark_wrong(fast, "again")
+
+
+def test_remeasure_refuses_what_it_cannot_store(store, ids):
+    ok = _record(store, ids, {"c": 1}, median=10.0)
+    bad = _record(store, ids, {"c": 2}, status="wrong", max_abs_err=1.0)
+    before = store.trials()
+    with pytest.raises(ValueError, match="only those can be re-timed"):
+        store.record_remeasure({ok: _stats(9.0), bad: _stats(8.0)})
+    with pytest.raises(ValueError, match="only those can be re-timed"):
+        store.record_remeasure({9999: _stats(8.0)})
+    with pytest.raises(ValueError, match="needs finite stats"):
+        store.record_remeasure({ok: {"median_us": 9.0}})
+    assert store.trials() == before  # nothing half-written
 
 
 def test_winners_filters_and_carries_fingerprints(store, ids):

@@ -1,0 +1,42 @@
+"""Which of a shape's trials a sweep times again, side by side, before it picks the winner.
+
+A sweep times its candidates one after another. On a GPU, identical code can run 5-10 %
+slower for seconds at a time (on the H200: bench/results/h200_runoff_2026-12-01.md), so
+which of two close finalists timed at different moments wins is partly chance, and a
+winner's stored time depends on the moment it was timed. The finalists are timed again in
+one interleaved run (`Timer.measure_interleaved`), at one moment for all of them, and each
+keeps the better of its two timings (`TuningStore.record_remeasure`): a finalist is then
+slow only if both of its moments were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mla_tune.db import TrialRow
+
+DEFAULT_FINALISTS = 3
+WINDOW = 0.15
+"""Finalists are within this fraction of the fastest first time; slower ones cannot win."""
+
+
+def finalists(trials: Sequence[TrialRow], k: int = DEFAULT_FINALISTS) -> list[TrialRow]:
+    """The `k` fastest 'ok' trials within WINDOW of the fastest, then the fastest of each
+    other backend (the baselines a report compares the winner with), fastest first. Empty
+    when that leaves fewer than two trials or `k` < 2: there is nothing to compare."""
+    ok = sorted(((t.median_us, t.id, t) for t in trials
+                 if t.status == "ok" and t.median_us is not None), key=lambda x: x[:2])
+    if k < 2 or len(ok) < 2:
+        return []
+    limit = ok[0][0] * (1.0 + WINDOW)
+    chosen = [t for us, _, t in ok[:k] if us <= limit]
+    for _, _, t in ok:
+        if t.backend not in {c.backend for c in chosen}:
+            chosen.append(t)
+    return chosen if len(chosen) >= 2 else []
+
+def timed_together(trials: Sequence[TrialRow]) -> bool:
+    """Whether these trials' times already come from one side-by-side run."""
+    stamps = {t.remeasured_at for t in trials}
+    return len(stamps) == 1 and None not in stamps
+
