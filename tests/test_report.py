@@ -20,8 +20,8 @@ from tests.fixtures.sweep_db import SHAPES, copy_db, swept_db
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
 # Two-sided 95% Student-t quantiles (standard tables).
-T95 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 9: 2.2622, 10: 2.2281,
-       12: 2.1788, 30: 2.0423, 1000: 1.9623}
+T95 = {1: 12.7062, 2: 4.3027, 3: 3.1824, 4: 2.7764, 5: 2.5706, 7: 2.3646, 9: 2.2622,
+       10: 2.2281, 12: 2.1788, 15: 2.1314, 23: 2.0687, 30: 2.0423, 1000: 1.9623}
 
 
 @pytest.fixture(scope="module")
