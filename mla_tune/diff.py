@@ -2,9 +2,12 @@
 shape, the winner and its time before and after, with a regression flagged only when the
 slowdown exceeds both the measured noise and a minimum relative change.
 
-Why both: the noise of one run (the 95% CIs of the two winners' means) is what the data
-shows, but runs on a fresh machine also differ by a few percent (platform.md: within 2.4%
-above 100 us, 7% below), which a single run's CI cannot see.
+Why both: the noise of one timing (the 95% CIs of the two winners' means) is what one run
+shows, but the same kernel's time also moves with the moment it is timed (on the H200
+5-10 % for stretches of a second or more: bench/results/h200_runoff_2026-12-01.md) and with
+the machine (platform.md: within 2.4% above 100 us, 7% below). Where a sweep's run-off timed
+a winner twice, the gap between its two timings measures the first of those and counts as
+noise too; the minimum change stands for the rest.
 """
 
 from __future__ import annotations
@@ -89,10 +92,13 @@ class DiffRow:
 
 
 def noise_us(before: ReportRow, after: ReportRow) -> float | None:
-    """Measured noise of the difference: the two 95% CI half-widths combined in quadrature
-    (None when either side has fewer than 2 samples)."""
+    """Measured noise of the difference: the two 95% CI half-widths combined in quadrature,
+    or either winner's moment-to-moment spread (`ReportRow.moment_spread_us`) where that is
+    larger; None when neither was measured (fewer than 2 samples, no run-off)."""
     a, b = before.ci95_us, after.ci95_us
-    return None if a is None or b is None else math.hypot(a, b)
+    parts = [] if a is None or b is None else [math.hypot(a, b)]
+    parts += [s for s in (before.moment_spread_us, after.moment_spread_us) if s is not None]
+    return max(parts) if parts else None
 
 
 def classify(before: ReportRow, after: ReportRow,

@@ -129,6 +129,16 @@ class ReportRow:
     trial_id: int | None = None
 
     @property
+    def moment_spread_us(self) -> float | None:
+        """How far apart the winner's two timings lay, when a sweep's run-off timed it again
+        (first vs side-by-side median): the device's moment-to-moment spread at this
+        shape, which one timing's CI does not show."""
+        win = next((t for t in self.trials if t.id == self.trial_id), None)
+        if win is None or win.first_median_us is None or win.runoff_median_us is None:
+            return None
+        return abs(win.first_median_us - win.runoff_median_us)
+
+    @property
     def side_by_side(self) -> int:
         """How many trials were timed in one interleaved run with the winner, it included
         (sweep --runoff); 0 when its time is its first one."""
@@ -168,6 +178,7 @@ class ReportRow:
             "torch_us": self.torch_us, "speedup_vs_torch": self.speedup_vs_torch,
             "trials": self.counts, "knob_spread": self.knob_spread,
             "superseded": self.superseded, "side_by_side": self.side_by_side,
+            "moment_spread_us": self.moment_spread_us,
         }
 
     @property

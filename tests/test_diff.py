@@ -72,6 +72,26 @@ def test_classify_needs_both_noise_and_min_change(stacks):
     assert classify(before, row(102.0, None, None), 0.01) == ("regression", None)
 
 
+def test_a_winners_two_timings_count_as_noise(stacks):
+    base = report_rows(stacks[0])[0]
+    win = next(t for t in base.trials if t.id == base.trial_id)
+
+    def row(median: float, first: float | None = None, runoff: float | None = None):
+        timed = dataclasses.replace(win, first_median_us=first, runoff_median_us=runoff)
+        return dataclasses.replace(base, median_us=median, std_us=1.0, n=10, trials=(timed,))
+
+    ci = noise_us(row(100.0), row(100.0))  # 2.262 * 1 / sqrt(10) * sqrt(2) = 1.01 us
+    assert ci == pytest.approx(1.0116, rel=1e-3)
+    # The same winner once timed 100 and once 108 us: an 8 % move is noise, not a regression.
+    spread = row(100.0, first=108.0, runoff=100.0)
+    assert row(100.0).moment_spread_us is None and spread.moment_spread_us == 8.0
+    assert noise_us(spread, row(107.0)) == 8.0
+    assert classify(spread, row(107.0), 0.03) == ("same", 8.0)
+    assert classify(row(100.0), row(107.0), 0.03)[0] == "regression"
+    assert classify(spread, row(109.0), 0.03)[0] == "regression"
+    assert noise_us(row(100.0, 100.5, 100.0), row(100.0)) == pytest.approx(ci)  # CI larger
+
+
 def test_two_stacks_in_one_db(stacks):
     store, old, new = stacks
     before, after = DiffSide.load(store, "old", old), DiffSide.load(store, "new", new)
