@@ -130,7 +130,7 @@ def sweep(
     pin: list[str] = typer.Option([], "--pin", help="Narrow a knob: BACKEND.KNOB=V1[,V2...], e.g. triton.num_splits=1,4 (repeatable)."),
     no_compile_ahead: bool = typer.Option(False, "--no-compile-ahead", help="Skip the compile stage (each GPU worker then compiles the kernels it meets)."),
     retry: list[str] = typer.Option([], "--retry", help="Measure again the stored trials with this outcome: failed, timeout or wrong (repeatable), e.g. after a transient out-of-memory."),
-    runoff: int = typer.Option(3, "--runoff", min=0, help="Time each shape's fastest K variants (and each other backend's fastest) again side by side, one call each in turn, and pick the winner from those times; 0 or 1 keeps the first times."),
+    runoff: int = typer.Option(3, "--runoff", min=0, help="Time each shape's fastest K variants (and each other backend's fastest) again side by side, in turn; each keeps the better of its two timings. 0 or 1 keeps the first times."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the candidates per shape and backend (and why a backend is skipped), then stop: nothing is run or stored."),
 ) -> None:
     """Tune shapes: enumerate variants, verify each against the reference, time it, store it.
@@ -290,8 +290,8 @@ def _print_winners(results: Sequence[Any]) -> None:
                           f"{w.median_us:.1f}", str(new), str(reused), together)
     out.print(table)
     if any(r.side_by_side for r in results):
-        console.print("side by side: finalists timed again in one interleaved run; the winner "
-                      "and its time come from that run", highlight=False, style="dim")
+        console.print("side by side: finalists timed again in one interleaved run; each keeps "
+                      "the better of its two timings", highlight=False, style="dim")
     skipped = {(b.name, b.skipped) for r in results for b in r.backends if b.skipped}
     for name, reason in sorted(skipped):
         console.print(f"skipped {name}: {reason}", highlight=False)
@@ -378,7 +378,8 @@ def _print_report(rows: Sequence[Any], suite: Sequence[Shape] | None) -> None:
         table.add_row(
             r.device, r.shape.label(), r.winner_label, json.dumps(r.config, sort_keys=True),
             f"{r.median_us:.1f}", f"{r.ci95_us:.1f}" if r.ci95_us is not None else "-",
-            str(r.side_by_side) if r.side_by_side else "-", f"{r.eff_gbps:.0f}", f"{r.pct_of_read_bw:.0f}%" if r.pct_of_read_bw else "-",
+            str(r.side_by_side) if r.side_by_side else "-", f"{r.eff_gbps:.0f}",
+            f"{r.pct_of_read_bw:.0f}%" if r.pct_of_read_bw else "-",
             f"{r.baseline_backend} {r.baseline_us:.1f}" if r.baseline_us else "-",
             f"{r.speedup_vs_baseline:.2f}x" if r.speedup_vs_baseline else "-",
             f"{r.speedup_vs_torch:.2f}x" if r.speedup_vs_torch else "-",

@@ -101,9 +101,9 @@ def evaluate(backend: Backend, shape: Shape, config: Mapping[str, Any], device: 
 def evaluate_side_by_side(candidates: Sequence[tuple[Backend, Mapping[str, Any]]],
                           shape: Shape, device: torch.device, data: TaskInput,
                           ref: torch.Tensor, tol: Tolerance, timer: Timer) -> list[TrialOutcome]:
-    """Build and verify several variants of one shape, then time the correct ones in turn,
-    one call each per round (`Timer.measure_interleaved`), so they share the device's
-    slow and fast moments. One outcome per candidate, in order; never raises."""
+    """Build and verify several variants of one shape, then time the correct ones in turn
+    (`Timer.measure_interleaved`), so they share the device's slow and fast moments. One
+    outcome per candidate, in order; never raises."""
     device = torch.device(device)
     outcomes: list[TrialOutcome] = []
     fns: list[tuple[int, KernelFn]] = []

@@ -18,6 +18,7 @@ from typing import Any
 
 from mla_tune.db import TrialRow, TuningStore, WinnerRow
 from mla_tune.problem import KVFormat, Shape
+from mla_tune.runoff import timed_with
 
 LIBRARY_BACKENDS = ("flashinfer", "aiter")
 ALL_FORMATS = "all"
@@ -142,10 +143,7 @@ class ReportRow:
     def side_by_side(self) -> int:
         """How many trials were timed in one interleaved run with the winner, it included
         (sweep --runoff); 0 when its time is its first one."""
-        win = next((t for t in self.trials if t.id == self.trial_id), None)
-        if win is None or win.remeasured_at is None:
-            return 0
-        return sum(1 for t in self.trials if t.remeasured_at == win.remeasured_at)
+        return timed_with(self.trials, self.trial_id)
 
     @property
     def speedup_vs_baseline(self) -> float | None:

@@ -35,8 +35,16 @@ def finalists(trials: Sequence[TrialRow], k: int = DEFAULT_FINALISTS) -> list[Tr
             chosen.append(t)
     return chosen if len(chosen) >= 2 else []
 
+
 def timed_together(trials: Sequence[TrialRow]) -> bool:
     """Whether these trials' times already come from one side-by-side run."""
     stamps = {t.remeasured_at for t in trials}
     return len(stamps) == 1 and None not in stamps
+
+
+def timed_with(trials: Sequence[TrialRow], trial_id: int | None) -> int:
+    """How many of `trials` were timed in one side-by-side run with trial `trial_id`, it
+    included; 0 when that trial was never timed again."""
+    stamp = next((t.remeasured_at for t in trials if t.id == trial_id), None)
+    return 0 if stamp is None else sum(1 for t in trials if t.remeasured_at == stamp)
 

@@ -43,7 +43,7 @@ from mla_tune.fingerprint import (
     current_software,
 )
 from mla_tune.problem import Shape
-from mla_tune.runoff import DEFAULT_FINALISTS, finalists, timed_together
+from mla_tune.runoff import DEFAULT_FINALISTS, finalists, timed_together, timed_with
 from mla_tune.search import SearchDriver, Strategy, make_sampler, study_name
 from mla_tune.timing import TimingPolicy
 from mla_tune.workers import (
@@ -193,7 +193,7 @@ class _ShapeRun:
     summaries: list[BackendSummary]
     groups: list[_Group]
     result: ShapeResult | None = None
-    runoff: str = ""  # "", then "queued" or "running" while its finalists are re-timed
+    runoff_pending: bool = False  # its finalists are queued for, or in, a run-off
 
 
 @dataclass
@@ -316,7 +316,6 @@ class _Sweep:
         cands = tuple((t.backend, t.config) for t in task.trials)
         self.pool.submit(slot, RunoffJob(task.run.shape.to_json(), cands),
                          self.options.candidate_timeout_s * len(cands))
-        task.run.runoff = "running"
         self.out[slot] = task
         self.holds[slot] = task.run.shape.key
 
@@ -465,7 +464,8 @@ class _Sweep:
         then queue its finalists' side-by-side run-off, which picks the final winner. The
         first winner is stored before that, so a sweep stopped during the run-off leaves
         one."""
-        if run.result is not None or run.runoff or not all(g.done for g in run.groups):
+        if (run.result is not None or run.runoff_pending
+                or not all(g.done for g in run.groups)):
             return
         winner = self.store.update_winner(self.device_id, self.software_id, run.shape.key,
                                           self.sources)
@@ -474,13 +474,10 @@ class _Sweep:
             backend=g.backend.name, source_hash=g.key.source_hash)]
         chosen = finalists(trials, self.options.runoff)
         if chosen and not timed_together(chosen):
-            run.runoff = "queued"
+            run.runoff_pending = True
             self.runoffs.append(_Runoff(run, chosen))
             return
-        stamp = next((t.remeasured_at for t in trials
-                      if winner is not None and t.id == winner.trial_id), None)
-        self._finish(run, winner, sum(1 for t in trials
-                                      if stamp is not None and t.remeasured_at == stamp))
+        self._finish(run, winner, timed_with(trials, None if winner is None else winner.trial_id))
 
     def _finish(self, run: _ShapeRun, winner: WinnerRow | None, side_by_side: int) -> None:
         run.result = ShapeResult(run.shape, winner, run.summaries, side_by_side)
@@ -510,7 +507,7 @@ class _Sweep:
             timed = {}
         winner = self.store.update_winner(self.device_id, self.software_id,
                                           task.run.shape.key, self.sources)
-        task.run.runoff = ""
+        task.run.runoff_pending = False
         self._finish(task.run, winner, len(timed))
 
     def _handle(self, done: Done, job: tuple[_Group, dict[str, Any]] | _Runoff | None) -> None:

@@ -142,7 +142,7 @@ class TrialJob:
 @dataclass(frozen=True)
 class RunoffJob:
     """Time a shape's finalists again side by side (mla_tune.runoff): each is built and
-    verified, then all correct ones are timed in turn, one call each per round."""
+    verified, then all correct ones are timed in turn (`evaluate_side_by_side`)."""
 
     shape: dict[str, Any]
     candidates: tuple[tuple[str, dict[str, Any]], ...]  # (backend, config) each
