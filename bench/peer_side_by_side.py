@@ -1,0 +1,150 @@
+"""What the dispatcher runs against FlashInfer's best page size, timed side by side.
+
+For each shape of the suites asked for and each KV format: the variant the dispatcher routes
+the shape to (from the tuning DB given, as a serving process would load it) and FlashInfer's
+fa3 kernel at page sizes 1 and 64 (and fa2 for fp8, whose fa3 path falls back) are built,
+verified against the float32 reference, then timed interleaved in one run
+(`evaluate_side_by_side`: cold L2 before every call, blocks of 8 calls), so they share the
+device's fast and slow moments. FlashInfer's bf16 time is the peer figure for every format:
+it is the library's fastest path.
+
+Run on the H200 (FlashInfer from `.device`):
+    python3 bench/peer_side_by_side.py --db shipped --suite seeds --suite leaderboard-v1 \
+        --suite leaderboard-v2 --out $OUT/peer.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from mla_tune.backends import get_backend  # noqa: E402
+from mla_tune.dispatch import Dispatcher  # noqa: E402
+from mla_tune.evaluate import evaluate_side_by_side  # noqa: E402
+from mla_tune.problem import KVFormat, Shape, generate_input  # noqa: E402
+from mla_tune.reference import mla_decode_reference  # noqa: E402
+from mla_tune.suites import suite_shapes  # noqa: E402
+from mla_tune.timing import CudaTimer, TimingPolicy  # noqa: E402
+from mla_tune.verify import tolerance_for  # noqa: E402
+
+PAGES = (1, 64)
+
+
+def _peer_configs(fmt: KVFormat) -> list[dict[str, Any]]:
+    kernels = ("fa3",) if fmt is KVFormat.BF16 else ("fa3", "fa2")
+    scale = "host" if fmt is KVFormat.BF16 else "fold"  # the one bf16 point of the space
+    return [{"backend": k, "page_size": p, "launch": "direct", "fp8_scale": scale}
+            for k in kernels for p in PAGES]
+
+
+def _time_shape(mla: Dispatcher, shape: Shape, device: torch.device,
+                timer: CudaTimer) -> dict[str, Any]:
+    """The dispatcher's variant and the peer's, verified and timed side by side."""
+    decision = mla.decide(shape)
+    candidates: list[tuple[Any, dict[str, Any]]] = [(get_backend(decision.backend),
+                                                     dict(decision.config))]
+    labels = [f"{decision.backend} [{decision.reason}]"]
+    peer = get_backend("flashinfer")
+    if shape.kv_format is not KVFormat.MXFP4 and peer.available(device) \
+            and peer.supports(shape) is None:
+        for cfg in _peer_configs(shape.kv_format):
+            if peer.feasible(shape, cfg):
+                candidates.append((peer, cfg))
+                labels.append(f"flashinfer {cfg['backend']} page {cfg['page_size']}")
+    data = generate_input(shape, seed=0, device=device)
+    ref = mla_decode_reference(*data, kv_format=shape.kv_format.value)
+    outcomes = evaluate_side_by_side(candidates, shape, device, data, ref,
+                                     tolerance_for(shape.kv_format), timer)
+    result: dict[str, Any] = {"route": labels[0], "ours": None, "peer": None, "peer_cfg": "-",
+                              "notes": []}
+    for label, o in zip(labels, outcomes):
+        if o.status != "ok" or o.stats is None:
+            result["notes"].append(f"{label}: {o.status} {(o.error or '')[:80]}")
+            continue
+        us = o.stats.median_us
+        if label == labels[0]:
+            result["ours"] = us
+        elif result["peer"] is None or us < result["peer"]:
+            result["peer"], result["peer_cfg"] = us, label.removeprefix("flashinfer ")
+    return result
+
+
+def _geomean(values: list[float]) -> float | None:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--db", default=None, help="tuning DB the dispatcher loads (default: "
+                    "the dispatcher's own default)")
+    ap.add_argument("--suite", action="append", default=[], help="suite (repeatable)")
+    ap.add_argument("--formats", nargs="+", default=["bf16", "fp8", "mxfp4"])
+    ap.add_argument("--time-budget", type=float, default=0.5, help="timing seconds per variant")
+    ap.add_argument("--out", default=None, help="also write the markdown here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU: the side-by-side run times kernels on the device")
+    device = torch.device("cuda", 0)
+    mla = Dispatcher.from_db(args.db, device)
+    timer = CudaTimer(device, TimingPolicy(budget_s=args.time_budget, max_runs=400))
+    formats = [KVFormat.parse(f) for f in args.formats]
+    bases: list[Shape] = []
+    for name in args.suite or ["seeds"]:
+        for s in suite_shapes(name, [KVFormat.BF16]):
+            if s not in bases:
+                bases.append(s)
+    lines = [f"Dispatcher: {mla.summary()}", "",
+             "| shape | " + " | ".join(f"ours {f.value}" for f in formats)
+             + " | FlashInfer bf16 (best page) | FlashInfer fp8 | ours best / FlashInfer bf16 "
+             "| routes |", "|---" * (len(formats) + 5) + "|"]
+    ratios: list[float] = []
+    best_ours: list[float] = []
+    peer_bf16: list[float] = []
+    notes: list[str] = []
+    for base in bases:
+        row: dict[KVFormat, dict[str, Any]] = {}
+        for fmt in formats:
+            shape = base.with_format(fmt.value)
+            row[fmt] = _time_shape(mla, shape, device, timer)
+            notes += [f"{shape.label()}: {n}" for n in row[fmt]["notes"]]
+            print(shape.label(), row[fmt], flush=True)
+        ours = [r["ours"] for r in row.values() if r["ours"] is not None]
+        bf16 = row.get(KVFormat.BF16, {}).get("peer")
+        fp8 = row.get(KVFormat.FP8, {}).get("peer")
+        ratio = min(ours) / bf16 if ours and bf16 else None
+        if ratio is not None:
+            ratios.append(ratio)
+            best_ours.append(min(ours))
+            peer_bf16.append(bf16)
+        routes = "; ".join(f"{f.value}: {r['route']}" for f, r in row.items())
+        peer_cell = (f"{_f(bf16)} ({row[KVFormat.BF16]['peer_cfg']})"
+                     if KVFormat.BF16 in row else "-")
+        lines.append(f"| {base.batch}x{base.kv_lens[0]} h{base.heads} q{base.q_len} | "
+                     + " | ".join(_f(row[f]["ours"]) for f in formats)
+                     + f" | {peer_cell} | {_f(fp8)} | "
+                     + ("-" if ratio is None else f"{ratio:.2f}x") + f" | {routes} |")
+    lines += ["", f"Geomean over {len(ratios)} shapes: ours (best format) "
+              f"{_f(_geomean(best_ours))} µs, FlashInfer bf16 {_f(_geomean(peer_bf16))} µs, "
+              f"ratio {_geomean(ratios) or float('nan'):.3f}x; shapes where ours is slower: "
+              f"{sum(r > 1 for r in ratios)} of {len(ratios)}."]
+    if notes:
+        lines += ["", "Variants not timed:"] + [f"- {n}" for n in notes]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
