@@ -17,6 +17,7 @@ _REGISTRY: dict[str, str] = {
     "flashinfer": "mla_tune.backends.flashinfer_backend:FlashInferBackend",
     "aiter": "mla_tune.backends.aiter_backend:AiterBackend",
     "triton": "mla_tune.backends.triton_family:TritonFamily",
+    "cuda": "mla_tune.backends.compiled_source:family_cuda",
 }
 
 _instances: dict[str, Backend] = {}
@@ -86,6 +87,21 @@ def _register_from_env() -> None:
 
 
 _register_from_env()
+
+FAMILY_FILES_ENV = "MLA_TUNE_BACKENDS"
+
+
+def _register_family_files() -> None:
+    """Register the compiled-source family files named in $MLA_TUNE_BACKENDS (paths joined
+    by ':'), each as a backend named after its file stem; the file is read when the backend
+    is first used, so a bad one is reported then (mla_tune/backends/compiled_source.py)."""
+    for item in os.environ.get(FAMILY_FILES_ENV, "").split(os.pathsep):
+        if item.strip():
+            name = os.path.splitext(os.path.basename(item.strip()))[0]
+            register(name, f"mla_tune.backends.compiled_source:family_{name}")
+
+
+_register_family_files()
 
 
 def library_versions(device: torch.device | str) -> dict[str, str]:

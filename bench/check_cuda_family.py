@@ -1,0 +1,87 @@
+"""Check every variant of a compiled-source family against the float32 reference on a GPU.
+
+Cases: each KV format of the family x (q_len, heads) in {1, 4} x {16, 128} x a ragged
+batch (kv lengths 5 .. 1500, so some splits are empty and tiles are partial) and a uniform
+one. Every compile variant with every runtime knob value feasible for the shape is built
+through the backend, run once and judged with the sweep's gate (configs/tolerances.toml).
+Writes one JSON line per run to --json and prints a summary; exits 1 on any wrong run.
+
+    python3 bench/check_cuda_family.py --backend cuda --json $OUT/check.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from mla_tune.backends import get_backend
+from mla_tune.problem import KVFormat, Shape, generate_input
+from mla_tune.reference import mla_decode_reference
+from mla_tune.verify import check, tolerance_for
+
+RAGGED = (5, 33, 64, 300, 1027, 1500)
+
+
+def cases(formats: list[KVFormat]) -> list[Shape]:
+    out = []
+    for fmt in formats:
+        for q_len in (1, 4):
+            for heads in (16, 128):
+                out.append(Shape(len(RAGGED), RAGGED, q_len, heads, fmt))
+                out.append(Shape.uniform(4, 1024, q_len=q_len, heads=heads, kv_format=fmt))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    backend = get_backend(args.backend)
+    avail = backend.available(dev)
+    if not avail:
+        print(f"{args.backend} not available: {avail.reason}")
+        return 2
+    sink = open(args.json, "w") if args.json else None
+    bad = runs = 0
+    t0 = time.time()
+    for shape in cases([f for f in KVFormat if not backend.supports(Shape.uniform(
+            1, 64, kv_format=f))]):
+        data = generate_input(shape, seed=1, device=dev)
+        ref = mla_decode_reference(*data, kv_format=shape.kv_format)
+        tol = tolerance_for(shape.kv_format)
+        worst = 0.0
+        for config in backend.candidates(shape, dev):
+            row = {"shape": shape.key, "config": config}
+            why = backend.precheck(shape, config, dev)
+            if why:
+                row["skipped"] = why
+            else:
+                try:
+                    out = backend.build(shape, config, dev)(data)
+                    torch.cuda.synchronize()
+                    res = check(out, ref, tol)
+                    row.update(ok=res.ok, max_abs_err=res.max_abs_err,
+                               mismatch_frac=res.mismatch_frac, reason=res.reason)
+                except Exception as e:  # noqa: BLE001 - reported per run
+                    row.update(ok=False, reason=f"{type(e).__name__}: {e}")
+                runs += 1
+                bad += not row["ok"]
+                worst = max(worst, row.get("max_abs_err") or 0.0)
+                if not row["ok"]:
+                    print(f"WRONG {shape.label()} {config}: {row['reason']}", flush=True)
+            if sink:
+                sink.write(json.dumps(row) + "\n")
+        print(f"{shape.label():32s} ragged={shape.is_ragged!s:5s} worst abs err {worst:.3g}",
+              flush=True)
+    print(f"{runs} runs, {bad} wrong, {time.time() - t0:.0f} s")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
