@@ -1,0 +1,102 @@
+"""A Triton variant from a point of its tuning space, without mla_tune: the glue that the
+one-file leaderboard submission (`mla-tune export --submission`) carries next to
+mla_decode.py.
+
+`variant_feasible` and `build_variant` take plain values (format name, kv lengths, the
+config dict) and follow `mla_tune.backends.triton_family` (its `feasible`, `kernel_config`
+and `build`), which the stored H200 results are keyed by and so stays as it is;
+tests/test_export_submission.py checks both agree on every point of the space.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher
+
+COMPUTE_BY_FORMAT = {"bf16": ("bf16",), "fp8": ("bf16", "fp16", "fp8", "fp8qk"),
+                     "mxfp4": ("bf16",)}
+"""Compute paths per KV format (triton_family._COMPUTE_BY_FORMAT)."""
+
+WARPS_FOR_BLOCK_M = {16: 4, 32: 4, 64: 8, 128: 8}
+"""Warps per row-block size (triton_family._WARPS_FOR_BLOCK_M)."""
+
+MXFP4_SCALE_STRIDE = 24
+"""Row stride of the MXFP4 scale tensor as aiter pads it: 24 bytes, 18 used."""
+
+
+def variant_page_size(page_size: int, config: Mapping[str, Any]) -> int:
+    """A paged shape is read with its own page size; the knob applies to contiguous ones."""
+    return page_size if page_size > 1 else int(config["page_size"])
+
+
+def variant_feasible(kv_format: str, kv_lens: tuple[int, ...], q_len: int, heads: int,
+                     page_size: int, config: Mapping[str, Any]) -> bool:
+    """Whether the config can run the shape (the same arithmetic as the Triton family's
+    `feasible`: no launch, no compile)."""
+    if str(config["compute"]) not in COMPUTE_BY_FORMAT[kv_format]:
+        return False
+    block_m, block_n = int(config["block_m"]), int(config["block_n"])
+    if WARPS_FOR_BLOCK_M.get(block_m) != int(config["num_warps"]):
+        return False
+    if block_m > 16 and block_m >= 2 * q_len * heads:
+        return False
+    if page_size > 1 and int(config["page_size"]) != 1:
+        return False
+    converts_fp8 = kv_format == "fp8" and str(config["compute"]) != "fp8"
+    if not converts_fp8 and str(config.get("fp8_convert", "staged")) != "staged":
+        return False
+    kv_load = str(config.get("kv_load", "pointer"))
+    if kv_load in ("tma", "tma_host") and (
+            variant_page_size(page_size, config) > 1 or not (
+                kv_format == "bf16" or (kv_format == "fp8" and str(config["compute"]) == "fp8"))):
+        return False
+    if kv_load == "tma_host" and (q_len != 1 or any(L % block_n for L in kv_lens)):
+        return False
+    return int(config["num_splits"]) * block_n <= max(kv_lens)
+
+
+def variant_config(kv_format: str, page_size: int, config: Mapping[str, Any]) -> KernelConfig:
+    """The kernel's KernelConfig for a point of the space."""
+    return KernelConfig(
+        kv_format=kv_format, compute=str(config["compute"]),
+        block_m=int(config["block_m"]), block_n=int(config["block_n"]),
+        num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
+        num_splits=int(config["num_splits"]),
+        page_size=variant_page_size(page_size, config),
+        fast_mode=bool(config["fast_mode"]),
+        fp8_convert=str(config.get("fp8_convert", "staged")),
+        kv_load=str(config.get("kv_load", "pointer")))
+
+
+def build_variant(kv_format: str, kv_lens: list[int], q_len: int, heads: int,
+                  config: Mapping[str, Any], device: torch.device, page_size: int = 1,
+                  sm_scale: float = 1.0 / math.sqrt(576)) -> Callable[[tuple], torch.Tensor]:
+    """A prepared launcher of the config for the shape, as `run(data) -> output` on the
+    task tuple. The output tensor is the launcher's, overwritten by the next call."""
+    launcher = MlaDecodeLauncher(variant_config(kv_format, page_size, config), heads=heads,
+                                 q_len=q_len, kv_lens=list(kv_lens), device=device,
+                                 sm_scale=sm_scale)
+    launcher.prepare(sc_stride=MXFP4_SCALE_STRIDE if kv_format == "mxfp4" else 0)
+    if kv_format == "bf16":
+        def run(data: tuple) -> torch.Tensor:
+            return launcher(data[0], data[1]["bf16"], None, None, data[2], data[3])
+    elif kv_format == "fp8":
+        def run(data: tuple) -> torch.Tensor:
+            kv, scale = data[1]["fp8"]
+            return launcher(data[0], kv, scale, None, data[2], data[3])
+    else:
+        u8 = torch.uint8
+
+        def run(data: tuple) -> torch.Tensor:
+            kv, scale = data[1]["mxfp4"]
+            if kv.dtype != u8:  # float4_e2m1fn_x2 storage: same bytes
+                kv = kv.view(u8)
+            if scale.dtype != u8:  # float8_e8m0fnu storage: same bytes
+                scale = scale.view(u8)
+            return launcher(data[0], kv, None, scale, data[2], data[3])
+    return run
