@@ -1,0 +1,280 @@
+"""MLADecodeWrapper on shuffled page pools against the float32 reference: the torch
+family's bucket build on CPU, the Triton family's (and the planning kernel) through the
+Triton interpreter in a child process (this file run as a script), CUDA graphs on a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mla_tune.dispatch import Dispatcher  # noqa: E402
+from mla_tune.problem import Shape, generate_input  # noqa: E402
+from mla_tune.reference import mla_decode_reference  # noqa: E402
+from mla_tune.serving import MLADecodeWrapper  # noqa: E402
+
+LENS = (37, 130, 70)
+
+
+def paged_pool(kv_data: dict, lens: tuple[int, ...], page: int, fmt: str, seed: int = 0,
+               spare: int = 3) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """The contiguous cache of `fmt` copied into pages at shuffled pool positions (plus
+    spare pages); returns (kv_cache as `run` takes it, kv_indices, kv_indptr)."""
+    g = torch.Generator().manual_seed(seed)
+    n_pages = [-(-L // page) for L in lens]
+    total = sum(n_pages) + spare
+    perm = torch.randperm(total, generator=g).tolist()
+    vals, aux = (kv_data["bf16"], None) if fmt == "bf16" else kv_data[fmt]
+    width = vals.shape[-1]
+    flat = torch.zeros((total * page, width), dtype=torch.float32).to(vals.dtype) \
+        if fmt == "fp8" else torch.zeros((total * page, width), dtype=vals.dtype)
+    sc = torch.full((total * page, 24), 127, dtype=torch.uint8) if fmt == "mxfp4" else None
+    idx, indptr, start, k = [], [0], 0, 0
+    for L, n in zip(lens, n_pages):
+        for j in range(n):
+            p = perm[k]
+            k += 1
+            idx.append(p)
+            r0, r1 = start + j * page, start + min(L, (j + 1) * page)
+            flat[p * page: p * page + r1 - r0] = vals[r0:r1].reshape(r1 - r0, width)
+            if sc is not None:
+                sc[p * page: p * page + r1 - r0, :aux.shape[1]] = aux[r0:r1]
+        start += L
+        indptr.append(len(idx))
+    pool = flat.view(total, page, width)
+    cache = pool if fmt == "bf16" else (pool, aux if fmt == "fp8" else sc)
+    return cache, torch.tensor(idx, dtype=torch.int32), torch.tensor(indptr, dtype=torch.int32)
+
+
+def wrapper_error(fmt: str, page: int, q_len: int, dispatcher: Dispatcher,
+                  lens: tuple[int, ...] = LENS, seed: int = 2) -> tuple[float, Any]:
+    """Max abs error of one plan + run against the reference; and the wrapper."""
+    data = generate_input(Shape(len(lens), lens, q_len=q_len), seed=seed)
+    q, kv_data, qo, kvp, config = data
+    cache, idx, ptr = paged_pool(kv_data, lens, page, fmt, seed)
+    w = MLADecodeWrapper(fmt, 16, q_len, page, dispatcher.device, dispatcher=dispatcher)
+    w.plan(qo, ptr, idx, torch.tensor(lens, dtype=torch.int32))
+    out = w.run(q, cache)
+    ref = mla_decode_reference(q, kv_data, qo, kvp, config, kv_format=fmt)
+    return float((out.float() - ref).abs().max()), w
+
+
+@pytest.fixture(scope="module")
+def cpu_dispatcher() -> Dispatcher:
+    return Dispatcher([], "cpu")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("page", [1, 16, 64])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_wrapper_on_shuffled_pages_matches_reference(cpu_dispatcher: Dispatcher, fmt: str,
+                                                     page: int, q_len: int) -> None:
+    e, w = wrapper_error(fmt, page, q_len, cpu_dispatcher)
+    assert e < 2e-2
+    assert w.bucket is not None and w.bucket.page_size == page
+
+
+def test_the_wrapper_is_exported() -> None:
+    import mla_tune
+
+    assert mla_tune.MLADecodeWrapper is MLADecodeWrapper
+    assert "MLADecodeWrapper" in mla_tune.__all__
+
+
+def test_block_table_form_is_the_same_call(cpu_dispatcher: Dispatcher) -> None:
+    lens = (50, 20)
+    data = generate_input(Shape(2, lens), seed=8)
+    q, kv_data, qo, kvp, config = data
+    cache, idx, ptr = paged_pool(kv_data, lens, 16, "bf16", 8)
+    table = torch.full((2, 6), -1, dtype=torch.int32)  # unused entries hold anything
+    for b in range(2):
+        pages = idx[ptr[b]:ptr[b + 1]]
+        table[b, :pages.numel()] = pages
+    w = MLADecodeWrapper("bf16", 16, 1, 16, "cpu", dispatcher=cpu_dispatcher)
+    w.plan_block_table(table, torch.tensor(lens, dtype=torch.int32))
+    out = w.run(q, cache).clone()
+    w.plan(qo, ptr, idx, torch.tensor(lens, dtype=torch.int32))
+    assert torch.equal(out, w.run(q, cache))
+    assert float((out.float() - mla_decode_reference(*data)).abs().max()) < 2e-2
+
+
+def test_growing_loop_builds_once_and_keeps_its_buffers(cpu_dispatcher: Dispatcher) -> None:
+    disp = Dispatcher([], "cpu")
+    w = MLADecodeWrapper("bf16", 16, 1, 16, "cpu", dispatcher=disp)
+    base = (70, 90, 100)
+    ptrs = set()
+    for step in range(6):
+        lens = tuple(L + step for L in base)
+        data = generate_input(Shape(3, lens), seed=step)
+        cache, idx, ptr = paged_pool(data[1], lens, 16, "bf16", step)
+        w.plan(data[2], ptr, idx, list(lens))
+        out = w.run(data[0], cache)
+        ptrs.add(w._runner.page_rows.data_ptr())
+        if step in (0, 5):
+            assert float((out.float() - mla_decode_reference(*data)).abs().max()) < 2e-2
+    assert w.builds == 1 and len(ptrs) == 1
+
+
+def _planned(page: int = 16) -> tuple[MLADecodeWrapper, Any, Any, Any, Any]:
+    lens = (40, 20)
+    data = generate_input(Shape(2, lens), seed=1)
+    cache, idx, ptr = paged_pool(data[1], lens, page, "bf16", 1)
+    w = MLADecodeWrapper("bf16", 16, 1, page, "cpu", dispatcher=Dispatcher([], "cpu"))
+    return w, data, cache, idx, ptr
+
+
+def test_bad_page_tables_are_refused_before_any_launch() -> None:
+    w, data, cache, idx, ptr = _planned()
+    q, qo = data[0], data[2]
+    lens = torch.tensor([40, 20], dtype=torch.int32)
+    with pytest.raises(ValueError, match="run before plan"):
+        w.run(q, cache)
+    with pytest.raises(ValueError, match="beyond its 3 page"):
+        w.plan(qo, ptr, idx, torch.tensor([49, 20], dtype=torch.int32))
+    bad = idx.clone()
+    bad[1] = -1
+    with pytest.raises(ValueError, match="page indices must be >= 0"):
+        w.plan(qo, ptr, bad, lens)
+    with pytest.raises(ValueError, match="kv_indptr must rise"):
+        w.plan(qo, torch.tensor([0, 3, 2], dtype=torch.int32), idx, lens)
+    with pytest.raises(ValueError, match="qo_indptr must be"):
+        w.plan(torch.tensor([0, 2, 3], dtype=torch.int32), ptr, idx, lens)
+    with pytest.raises(ValueError, match="shorter|< q_len"):
+        w.plan(qo, ptr, idx, torch.tensor([0, 20], dtype=torch.int32))
+    out_of_pool = idx.clone()
+    out_of_pool[0] = cache.shape[0]  # one past the pool's last page
+    w.plan(qo, ptr, out_of_pool, lens)
+    with pytest.raises(ValueError, match="the pool has"):
+        w.run(q, cache)
+
+
+def test_bad_pools_and_queries_are_refused() -> None:
+    w, data, cache, idx, ptr = _planned()
+    w.plan(data[2], ptr, idx, [40, 20])
+    with pytest.raises(ValueError, match=r"\(num_pages, 16, 576\)"):
+        w.run(data[0], cache.view(-1, 8, 576))  # another page size
+    with pytest.raises(ValueError, match="q must be"):
+        w.run(data[0][:1], cache)
+    fp8 = MLADecodeWrapper("fp8", 16, 1, 16, "cpu", dispatcher=Dispatcher([], "cpu"))
+    fp8.plan(data[2], ptr, idx, [40, 20])
+    with pytest.raises(ValueError, match="pair"):
+        fp8.run(data[0], cache)
+    with pytest.raises(ValueError, match="page_size must be a power of two"):
+        MLADecodeWrapper("bf16", 16, 1, 48, "cpu", dispatcher=Dispatcher([], "cpu"))
+
+
+def test_triton_wrapper_and_planning_kernel_under_the_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["name"]: r for r in map(json.loads, (line for line in proc.stdout.splitlines()
+                                                   if line.startswith("{")))}
+    assert set(rows) == set(INTERP_CASES) | {"planner_batch_600", "task_ragged"}
+    for name, (fmt, _, _, _) in INTERP_CASES.items():
+        r = rows[name]
+        assert r["backend"] == "triton", r
+        assert r["err"] < (0.08 if fmt == "fp8" else 2e-2), r
+    assert rows["planner_batch_600"]["ok"], rows["planner_batch_600"]
+    assert rows["task_ragged"]["backend"] == "triton" and rows["task_ragged"]["err"] < 2e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_cuda_graph_replay_matches_eager_across_steps() -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    disp = Dispatcher([], dev)
+    w = MLADecodeWrapper("bf16", 16, 1, 16, dev, dispatcher=disp)
+    base = (300, 700, 500)
+    steps = []
+    for s in range(4):
+        lens = tuple(L + s for L in base)
+        data = generate_input(Shape(3, lens), seed=0, device=dev)
+        cache, idx, ptr = paged_pool({"bf16": data[1]["bf16"].cpu()}, lens, 16, "bf16")
+        steps.append((data[0], cache.to(dev), idx.to(dev), ptr.to(dev),
+                      torch.tensor(lens, dtype=torch.int32, device=dev)))
+    q_buf, pool = steps[-1][0].clone(), torch.zeros_like(steps[-1][1])
+    idx_buf = torch.zeros_like(steps[-1][2])
+    ptr_buf, lens_buf = torch.zeros_like(steps[-1][3]), torch.zeros_like(steps[-1][4])
+    qo = torch.arange(4, dtype=torch.int32, device=dev)
+
+    def load(s: int) -> None:  # new metadata written into the same tensors
+        q, c, i, p, n = steps[s]
+        q_buf.copy_(q)
+        pool[:c.shape[0]].copy_(c)
+        idx_buf.zero_()[:i.numel()].copy_(i)
+        ptr_buf.copy_(p)
+        lens_buf.copy_(n)
+        w.plan(qo, ptr_buf, idx_buf[:i.numel()], lens_buf, check=False)
+
+    eager = []
+    for s in range(4):
+        load(s)
+        eager.append(w.run(q_buf, pool).clone())
+    load(0)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = w.run(q_buf, pool)
+    bucket = w.bucket
+    for s in range(4):
+        load(s)
+        assert w.bucket == bucket  # one bucket: one graph serves every step
+        g.replay()
+        assert torch.equal(out, eager[s])
+
+
+# -- the interpreter child ---------------------------------------------------------------
+
+INTERP_CASES = {
+    "bf16_p16_q1": ("bf16", 16, 1, ""),
+    "bf16_p1_q4_2splits_fused": ("bf16", 1, 4, "triton:num_splits=2,fast_mode=true"),
+    "fp8_p1_q4": ("fp8", 1, 4, ""),
+    "fp8_p64_2splits": ("fp8", 64, 1, "triton:num_splits=2,compute=fp8"),
+    "mxfp4_p64_q1": ("mxfp4", 64, 1, ""),
+    "mxfp4_p16_q4_splits": ("mxfp4", 16, 4, "triton:num_splits=2"),
+}
+
+
+def _child() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1")
+    for name, (fmt, page, q_len, force) in INTERP_CASES.items():
+        os.environ["MLA_TUNE_FORCE"] = force
+        e, w = wrapper_error(fmt, page, q_len, Dispatcher([], "cpu"), lens=(37, 100, 70))
+        print(json.dumps({"name": name, "err": e, "backend": w._runner.decision.backend}),
+              flush=True)
+    os.environ["MLA_TUNE_FORCE"] = ""
+    from kernels.triton.serving_plan import ServingPlanLauncher
+
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 200, (600,), generator=g, dtype=torch.int32)
+    ptr = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(lens, 0).to(torch.int32)])
+    idx = torch.randint(0, 10 ** 5, (int(ptr[-1]),), generator=g, dtype=torch.int32)
+    tok, rows = torch.full((601,), -7, dtype=torch.int32), torch.zeros_like(idx)
+    out_ptr, qo, qo_out = (torch.zeros(601, dtype=torch.int32),
+                           torch.arange(601, dtype=torch.int64) * 2,
+                           torch.zeros(601, dtype=torch.int32))
+    ServingPlanLauncher(torch.device("cpu"))(lens, idx.long(), ptr, qo, tok, rows, out_ptr,
+                                             qo_out, 64)
+    ok = torch.equal(tok, ptr) and torch.equal(rows, idx * 64) and \
+        torch.equal(out_ptr, ptr) and torch.equal(qo_out, qo.int())
+    print(json.dumps({"name": "planner_batch_600", "ok": bool(ok)}), flush=True)
+    from mla_tune.buckets import router_for
+
+    d = Dispatcher([], "cpu", kv_format="bf16")
+    data = generate_input(Shape(3, (37, 100, 70)), seed=5)
+    err = float((d.run(data).float() - mla_decode_reference(*data)).abs().max())
+    backend = next(iter(router_for(d)._runners.values())).decision.backend
+    print(json.dumps({"name": "task_ragged", "err": err, "backend": backend}), flush=True)
+
+
+if __name__ == "__main__":
+    _child()
