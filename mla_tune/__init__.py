@@ -8,13 +8,15 @@ from mla_tune.problem import KVFormat, Shape, generate_input, parse_shape
 
 if TYPE_CHECKING:
     from mla_tune.dispatch import Dispatcher
+    from mla_tune.serving import MLADecodeWrapper
 
 __version__ = "0.1.0"
 
-__all__ = ["Dispatcher", "KVFormat", "Shape", "__version__", "generate_input", "parse_shape"]
+__all__ = ["Dispatcher", "KVFormat", "MLADecodeWrapper", "Shape", "__version__",
+           "generate_input", "parse_shape"]
 
 # Loaded on first use, so `import mla_tune` stays cheap for code that never dispatches.
-_LAZY = {"Dispatcher": "mla_tune.dispatch"}
+_LAZY = {"Dispatcher": "mla_tune.dispatch", "MLADecodeWrapper": "mla_tune.serving"}
 
 
 def __getattr__(name: str) -> Any:

@@ -6,7 +6,9 @@ stored is touched before the input has been validated.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import inspect
 import io
 import json
 import logging
@@ -14,7 +16,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -22,20 +24,36 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from mla_tune.problem import KVFormat, Shape, ShapeError, parse_shape
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Autotune MLA decode kernels and keep the results in a tuning DB.")
-console = Console(stderr=True)
-out = Console()
+# Messages are printed unwrapped (the terminal wraps them); only tables follow the width, so
+# no message is cut inside a path or a command to copy.
+# No markup and no :emoji: codes: file names, DB values and error texts hold brackets and
+# colons, and are printed as they are (a style is given as a style, never inside the text).
+console = Console(stderr=True, soft_wrap=True, markup=False, emoji=False)
+out = Console(soft_wrap=True, markup=False, emoji=False)
 
 LOG_ENV = "MLA_TUNE_LOG"
 log = logging.getLogger("mla_tune.cli")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from mla_tune import __version__
+
+        out.print(f"mla-tune {__version__}", highlight=False)
+        raise typer.Exit()
+
+
 @app.callback()
-def _configure_logging() -> None:
+def _configure_logging(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
     """$MLA_TUNE_LOG=debug (or info) logs to stderr where a sweep's time goes: start-up
     steps, the compile stage, and each trial's phases."""
     level = os.environ.get(LOG_ENV)
@@ -50,12 +68,13 @@ def _configure_logging() -> None:
             fail(f"{LOG_ENV}={level!r} is not a log level; use debug, info or warning")
 
 
-DB_HELP = "Tuning DB: a SQLAlchemy URL or a SQLite file path (default: $MLA_TUNE_DB or tuning.db)."
+DB_HELP = ("Tuning DB: a SQLAlchemy URL, a SQLite file path, or shipped (the H200 results "
+           "shipped with mla-tune, read-only) (default: $MLA_TUNE_DB or tuning.db).")
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print a clear error and exit non-zero."""
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, markup=True)
     raise typer.Exit(code)
 
 
@@ -114,13 +133,13 @@ def sweep(
     shape: list[str] = typer.Option([], "--shape", "-s", help="BATCHxKV, e.g. 256x8192 (repeatable)."),
     suite: str | None = typer.Option(None, help="A shape suite from configs/suites.toml."),
     kv_format: list[str] = typer.Option(["all"], "--kv-format", "-f", help="bf16, fp8, mxfp4 or all."),
-    heads: int = typer.Option(16, help="Query heads (16, 32, 64, 128)."),
+    heads: int = typer.Option(16, min=1, max=128, help="Query heads per KV head, 1-128 (DeepSeek-V3's 128 split by tensor parallelism: 16, 32, 64, 128); a backend that cannot run a count says so."),
     q_len: int = typer.Option(1, "--q-len", help="Query tokens per sequence (1-4)."),
     page_size: int = typer.Option(1, "--page-size", help="KV page size of the shape."),
     backend: list[str] = typer.Option([], "--backend", "-b", help="Kernel family (repeatable; default all)."),
     db: str | None = typer.Option(None, help=DB_HELP),
     strategy: str = typer.Option("grid", help="grid, tpe or random."),
-    budget: int | None = typer.Option(None, min=1, help="Max configs measured per shape and backend."),
+    budget: int | None = typer.Option(None, min=1, help="Max configs measured per shape and backend, by all sweeps of the DB together."),
     device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)."),
     gpus: str | None = typer.Option(None, help="GPUs to tune on, one worker process each: N or all (default 1)."),
     candidate_timeout: float = typer.Option(120.0, "--candidate-timeout", min=1.0, help="Seconds one candidate may take, build included, before it is recorded as timeout."),
@@ -139,6 +158,7 @@ def sweep(
     recorded and the sweep goes on. Interrupt it at any moment and run the same command
     again to finish; several sweeps on one DB share the work."""
     from mla_tune.backends import UnknownBackendError
+    from mla_tune.db import db_failure
     from mla_tune.search import Strategy
     from mla_tune.sweep import (
         SweepError,
@@ -178,7 +198,7 @@ def sweep(
                            compile_ahead=not no_compile_ahead, retry=retry_statuses,
                            runoff=runoff)
     # SIGTERM stops the sweep as cleanly as Ctrl-C (workers ignore both; the driver ends them).
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = {s: signal.signal(s, _interrupt) for s in _STOP_SIGNALS}
     try:
         with SweepProgress(console) as progress:
             results = run_sweep(shapes, backends, store, options, progress)
@@ -192,8 +212,15 @@ def sweep(
         raise typer.Exit(130) from None
     except SweepError as exc:
         fail(str(exc), code=1)
+    except Exception as exc:  # the DB's disk filled up or its file is damaged
+        failure = db_failure(exc, store.url)
+        if failure is None:
+            raise
+        fail(str(failure))
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if signal.getsignal(signal.SIGINT) is _interrupt:  # not stopped: as before
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         store.close()
     _print_winners(results)
 
@@ -215,7 +242,15 @@ def _pins(texts: Sequence[str], device: str) -> dict[str, dict[str, list[Any]]]:
     return pins
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def _interrupt(signum: int, frame: Any) -> None:
+    """Stop the sweep cleanly. Later Ctrl-Cs and SIGTERMs are ignored until the process
+    exits: the clean stop (workers ended, claims put back, connections closed) is short,
+    and interrupting it would only print tracebacks and leave claims to go stale."""
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 
@@ -300,18 +335,31 @@ def _print_winners(results: Sequence[Any]) -> None:
 @app.command()
 def report(
     db: str | None = typer.Option(None, help=DB_HELP),
-    shape: str | None = typer.Option(None, help="Only this shape key (see `report --format json`)."),
-    fmt: str = typer.Option("table", "--format", help="table, json or csv."),
+    shape: str | None = typer.Option(None, help="Only this shape: BATCHxKV (e.g. 4x1024), "
+                                     "optionally with a KV format, hN or qN after it (e.g. "
+                                     "'4x1024 fp8'), a label as the table prints it, or a "
+                                     "shape key (see `report --format json`)."),
+    fmt: str = typer.Option("table", "--format", help="table, markdown, json or csv."),
     suite: str | None = typer.Option(None, help="Only this suite's shapes (in any KV format); "
                                      "geomeans then count the suite's shapes still missing."),
     software: str | None = typer.Option(None, help="Only this software stack (hash prefix)."),
+    columns: str | None = typer.Option(None, "--columns", help="Table columns, comma-separated "
+                                       "(table and markdown), e.g. default,trials or "
+                                       "shape,winner,us,config; an unknown name lists them "
+                                       "all."),
+    configs: bool = typer.Option(False, "--configs", help="Also list each winner's config "
+                                 "(a column in markdown, lines under the table otherwise)."),
+    hide_superseded: bool = typer.Option(False, "--hide-superseded", help="Leave out winners "
+                                         "whose kernel sources were measured in a newer "
+                                         "version since."),
     html: Path | None = typer.Option(None, "--html", help="Also write a self-contained HTML "
                                      "report with charts to this file."),
     png: Path | None = typer.Option(None, "--png", help="Also write the charts as PNG files "
                                     "into this directory (needs matplotlib: the 'report' extra)."),
 ) -> None:
-    """Winners with time, bandwidth vs the device's measured ceiling, and speedups."""
-    from mla_tune.report import report_rows, suite_keys
+    """Winners with time, bandwidth vs the device's measured ceiling, and speedups. The
+    table fits 80 columns: pick others with --columns, see configs with --configs."""
+    from mla_tune.report import DEFAULT_COLUMNS, parse_columns, shape_matcher
     from mla_tune.report_html import (
         MissingDependencyError,
         require_matplotlib,
@@ -320,8 +368,13 @@ def report(
     )
     from mla_tune.suites import UnknownSuiteError, suite_shapes
 
-    if fmt not in ("table", "json", "csv"):
-        fail(f"unknown format {fmt!r}; choose table, json or csv")
+    if fmt not in ("table", "markdown", "json", "csv"):
+        fail(f"unknown format {fmt!r}; choose table, markdown, json or csv")
+    try:
+        cols = parse_columns(columns) if columns else list(DEFAULT_COLUMNS)
+        wanted = shape_matcher(shape) if shape is not None else None
+    except ValueError as exc:
+        fail(str(exc))
     suite_list = None
     if suite:
         try:
@@ -338,14 +391,17 @@ def report(
         except MissingDependencyError as exc:
             fail(str(exc))
     store = _open_store(db, read_only=True)
-    rows = report_rows(store, shape_key=shape, software_hash=software,
-                       shape_keys=suite_keys(suite_list) if suite_list is not None else None)
-    if html is not None:
-        write_html(store, rows, html, suite_list, suite)
-        console.print(f"wrote {html}")
-    if png is not None:
-        written = write_pngs(store, rows, png)
-        console.print(f"wrote {len(written)} PNG chart(s) to {png}")
+    with _report_reading(store):
+        rows = _report_rows(store, wanted, shape, software, suite_list)
+        if hide_superseded:
+            rows = [r for r in rows if not r.superseded]
+        if html is not None:
+            write_html(store, rows, html, suite_list, suite)
+            console.print(f"wrote {escape(str(html))}", highlight=False)
+        if png is not None:
+            written = write_pngs(store, rows, png)
+            console.print(f"wrote {len(written)} PNG chart(s) to {escape(str(png))}",
+                          highlight=False)
     if fmt == "json":
         out.print_json(json.dumps([r.to_json() for r in rows]))
         return
@@ -360,45 +416,155 @@ def report(
         sys.stdout.write(buf.getvalue())
         return
     if not rows:
-        console.print("no winners stored yet: run `mla-tune sweep --shape 4x1024` first")
+        console.print("no winners stored yet: run `mla-tune sweep --shape 4x1024` first"
+                      if shape is None and software is None and suite is None
+                      and not hide_superseded else "no winners match the filters given",
+                      highlight=False)
         return
-    _print_report(rows, suite_list)
+    if fmt == "markdown":
+        sys.stdout.write(_markdown_report(rows, suite_list, cols + ["config"] * configs))
+        return
+    _print_report(rows, suite_list, cols, configs, out)
 
 
-def _print_report(rows: Sequence[Any], suite: Sequence[Shape] | None) -> None:
-    from mla_tune.report import suite_summaries
+@contextlib.contextmanager
+def _report_reading(store: Any) -> Iterator[None]:
+    """Reading a DB for a report: rows the store skipped are warned about by name; a DB too
+    damaged to read (garbage pages, a dropped table) is exit 2 with what to do."""
+    from sqlalchemy.exc import DBAPIError
 
-    table = Table(title=f"tuned winners ({len(rows)})")
-    for col in ("device", "shape", "winner", "config", "µs", "±95%", "side by side", "GB/s",
-                "% read bw", "baseline", "vs baseline", "vs torch",
-                "trials ok/wrong/fail/timeout"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        c = r.counts
-        table.add_row(
-            r.device, r.shape.label(), r.winner_label, json.dumps(r.config, sort_keys=True),
-            f"{r.median_us:.1f}", f"{r.ci95_us:.1f}" if r.ci95_us is not None else "-",
-            str(r.side_by_side) if r.side_by_side else "-", f"{r.eff_gbps:.0f}",
-            f"{r.pct_of_read_bw:.0f}%" if r.pct_of_read_bw else "-",
-            f"{r.baseline_backend} {r.baseline_us:.1f}" if r.baseline_us else "-",
-            f"{r.speedup_vs_baseline:.2f}x" if r.speedup_vs_baseline else "-",
-            f"{r.speedup_vs_torch:.2f}x" if r.speedup_vs_torch else "-",
-            f"{c.get('ok', 0)}/{c.get('wrong', 0)}/{c.get('failed', 0)}/{c.get('timeout', 0)}")
-    out.print(table)
+    from mla_tune.db import DBError, db_failure
+
+    store_log = logging.getLogger("mla_tune.db.store")
+    quiet = store_log.disabled
+    store_log.disabled = True  # its skipped rows are warned about here, once
+    try:
+        yield
+    except DBError as exc:
+        fail(str(exc))
+    except DBAPIError as exc:
+        failure = db_failure(exc, store.url)
+        fail(str(failure) if failure is not None else
+             f"cannot read the tuning DB {store.url}: {str(exc.orig or exc)[:300]}. It is "
+             "damaged or was not written by this mla-tune: restore a backup, or check --db")
+    finally:
+        store_log.disabled = quiet
+        for message in store.skipped:
+            _warn(f"skipped {message}")
+        store.close()
+
+
+def _warn(message: str) -> None:
+    console.print(f"warning: {message}", markup=False, highlight=False, emoji=False)
+
+
+def _report_rows(store: Any, wanted: Any, shape: str | None, software: str | None,
+                 suite_list: Sequence[Shape] | None) -> list[Any]:
+    """The report's rows; with --shape, those it names, or exit 2 listing what exists."""
+    from mla_tune.report import report_rows, suite_keys
+
+    skipped: list[str] = []
+    rows = report_rows(store, software_hash=software, skipped=skipped,
+                       shape_keys=suite_keys(suite_list) if suite_list is not None else None)
+    for message in skipped:
+        _warn(f"skipped {message}")
+    if wanted is None:
+        return rows
+    match = [r for r in rows if wanted(r.shape)]
+    if not match:
+        sizes = list(dict.fromkeys(r.shape.label() for r in rows))
+        fail(f"no stored winner for shape {shape!r} in {store.url}; shapes with winners: "
+             f"{', '.join(sizes) or '(none)'}")
+    return match
+
+
+def _summary_lines(rows: Sequence[Any], suite: Sequence[Shape] | None,
+                   group: tuple[str, str] | None = None) -> list[str]:
+    """Baselines per stack and the geomean lines of `rows` (of one device and stack when
+    `group` is given), as plain text."""
+    from mla_tune.report import baseline_sources, suite_summaries
+
+    lines = []
+    for (device, sw), counts in baseline_sources(rows).items():
+        if group is not None and (device, sw) != group:
+            continue
+        current = sum(1 for r in rows if not r.superseded and (r.device, r.software_hash)
+                      == (device, sw))
+        have = ", ".join(f"{b} at {n}" for b, n in counts.most_common()) or "none"
+        lines.append(f"baselines timed in stack {sw[:8]} on {device}: {have} of {current} "
+                     "current winners (a baseline is always of the winner's own stack)")
     for s in suite_summaries(rows, suite):
+        if group is not None and (s.device, s.software_hash) != group:
+            continue
         where = f"{s.kv_format} on {s.device} (stack {s.software_hash[:8]})"
         if s.geomean_us is None:
             if s.superseded:
-                out.print(f"geometric mean {where}: no current winners ({s.superseded} "
-                          "superseded winners left out)", highlight=False)
+                lines.append(f"geometric mean {where}: no current winners ({s.superseded} "
+                             "superseded winners left out)")
             continue
-        extra = "".join(f", {v:.2f}x vs {name}" for name, v in
-                        (("baseline", s.speedup_vs_baseline), ("torch", s.speedup_vs_torch)) if v)
+        extra = "".join(f", {t}" for t in s.speedup_texts())
         missing = f" ({s.missing} suite shapes missing)" if s.missing else ""
         stale = f" ({s.superseded} superseded winners left out)" if s.superseded else ""
-        out.print(f"geometric mean {where}: {s.geomean_us:.1f} µs over {s.shapes} shapes"
-                  f"{extra}{missing}{stale}", highlight=False)
+        lines.append(f"geometric mean {where}: {s.geomean_us:.1f} µs over {s.shapes} shapes"
+                     f"{extra}{missing}{stale}")
+    return lines
 
+
+def _notes(rows: Sequence[Any]) -> list[str]:
+    """What the table's marks mean, for the marks it shows."""
+    notes = []
+    if any(r.superseded for r in rows):
+        notes.append("* superseded: its backend's kernel sources were measured in a newer "
+                     "version since; left out of geomeans (--hide-superseded hides them)")
+    high = [r for r in rows if r.above_ceiling]
+    if high:
+        notes.append(f"! {len(high)} winner(s) read faster than their device's stored read "
+                     "ceiling, shown unclamped: that ceiling was measured too low "
+                     "(bench/read_ceiling.py measures it as sweeps now do)")
+    return notes
+
+
+def _markdown_report(rows: Sequence[Any], suite: Sequence[Shape] | None,
+                     columns: Sequence[str]) -> str:
+    from mla_tune.report import markdown_table
+
+    multi = len({(r.device, r.software_hash) for r in rows}) > 1
+    cols = ([c for c in ("device", "stack") if c not in columns] if multi else []) + list(columns)
+    lines = [markdown_table(rows, cols), ""]
+    lines += [f"- {n}" for n in _notes(rows) + _summary_lines(rows, suite)]
+    return "\n".join(lines) + "\n"
+
+
+def _print_report(rows: Sequence[Any], suite: Sequence[Shape] | None,
+                  columns: Sequence[str], configs: bool, to: Console) -> None:
+    """One table per device and stack (its title names them), the marks explained, and its
+    baselines and geomeans. Every cell is plain text: nothing stored is read as markup."""
+    from rich import box
+    from rich.text import Text
+
+    from mla_tune.report import COLUMNS, config_text
+
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for r in rows:
+        groups.setdefault((r.device, r.software_hash), []).append(r)
+    for (device, sw), group in groups.items():
+        table = Table(title=Text(f"{device} · stack {sw[:8]} · {len(group)} winners"),
+                      title_justify="left", box=box.SIMPLE_HEAD, padding=0)
+        for name in columns:
+            c = COLUMNS[name]
+            table.add_column(c.header, justify="right" if c.numeric else "left",
+                             overflow="fold")
+        for r in group:
+            table.add_row(*(Text(COLUMNS[name].cell(r)) for name in columns))
+        to.print(table)
+        for line in _notes(group) + _summary_lines(rows, suite, (device, sw)):
+            to.print(line, markup=False, highlight=False, emoji=False, soft_wrap=False)
+        if configs:
+            to.print("configs:", highlight=False)
+            for r in group:
+                to.print(f"  {r.shape.label()} {r.winner_label}: {config_text(r.config)}",
+                         markup=False, highlight=False, emoji=False, soft_wrap=False)
+        to.print()
 
 @app.command()
 def doctor(device: str | None = typer.Option(None, help="cuda or cpu."),
@@ -440,6 +606,9 @@ def doctor(device: str | None = typer.Option(None, help="cuda or cpu."),
         except Exception as exc:  # noqa: BLE001 - doctor reports, never crashes
             table.add_row(name, "no", f"{type(exc).__name__}: {exc}")
     out.print(table)
+    from mla_tune.backends.compiled_toolchain import compilers_summary
+
+    out.print(f"compiled-source families: {compilers_summary()}", highlight=False)
 
 
 def _stale_and_retired_trials(db: str | None) -> tuple[int, int]:
@@ -537,7 +706,7 @@ def _print_diff(label_a: str, label_b: str, rows: Sequence[Any], summary: Sequen
         after_winner = "same" if d.before and d.after and not d.winner_changed else winner(d.after)
         status = d.status
         if status in style:
-            status = f"[{style[status]}]{status}[/]"
+            status = Text(status, style=style[status])
         table.add_row(*([d.device] if multi else []), d.shape.label(), winner(d.before),
                       after_winner, us(d.before), us(d.after),
                       f"{d.change:+.1%}" if d.change is not None else "-",
@@ -557,15 +726,31 @@ def _print_diff(label_a: str, label_b: str, rows: Sequence[Any], summary: Sequen
 
 @app.command("export")
 def export_cmd(
-    out_path: Path = typer.Option(..., "--out", "-o", help="The winners JSON file to write."),
+    out_path: Path | None = typer.Option(None, "--out", "-o", help="The winners JSON file to write."),
     db: str | None = typer.Option(None, help=DB_HELP),
     device: str | None = typer.Option(None, help="Only this device (fingerprint hash prefix)."),
+    submission: Path | None = typer.Option(None, help="Write a one-file leaderboard submission (custom_kernel, the device's winners and their Triton kernels inlined; no mla-tune needed to run it) instead of JSON."),
+    suite: str | None = typer.Option(None, help="With --submission: the shapes it is for (a suite of configs/suites.toml); their expected times go in its header."),
+    shape: list[str] = typer.Option([], "--shape", "-s", help="With --submission: BATCHxKV shapes it is for (repeatable), with --heads and --q-len."),
+    heads: int = typer.Option(16, min=1, max=128, help="With --shape: query heads."),
+    q_len: int = typer.Option(1, "--q-len", help="With --shape: query tokens per sequence (1-4)."),
+    leaderboard: str | None = typer.Option(None, help="With --submission: write a '#!POPCORN leaderboard NAME' line."),
+    gpu: str | None = typer.Option(None, help="With --submission: write a '#!POPCORN gpu NAME' line."),
 ) -> None:
-    """Write the winners table as a versioned JSON document (device and software included)."""
+    """Write the winners table as a versioned JSON document (device and software included),
+    or with --submission one self-contained Python file to submit to a leaderboard."""
     from mla_tune.winners_json import export_winners
 
-    if out_path.is_dir() or not out_path.absolute().parent.is_dir():
-        fail(f"--out {out_path}: give a file path in an existing directory")
+    if (out_path is None) == (submission is None):
+        fail("give exactly one of --out FILE.json (winners JSON) or --submission FILE.py")
+    target = out_path if out_path is not None else submission
+    assert target is not None
+    if target.is_dir() or not target.absolute().parent.is_dir():
+        fail(f"{'--out' if out_path else '--submission'} {target}: give a file path in an "
+             "existing directory")
+    if out_path is not None and (suite or shape or leaderboard or gpu):
+        fail("--suite, --shape, --leaderboard and --gpu apply to --submission only")
+    shapes = _shapes(shape, suite, [KVFormat.BF16], heads, q_len, 1) if (suite or shape) else []
     store = _open_store(db, read_only=True)
     device_hash = None
     if device is not None:
@@ -575,6 +760,20 @@ def export_cmd(
             fail(f"no single device with hash {device!r} in {store.url}; devices: "
                  f"{', '.join(known) or '(none)'}")
         device_hash = match[0]
+    if submission is not None:
+        from mla_tune.export_submission import SubmissionError, write_submission
+
+        try:
+            sub = write_submission(store, submission, device_hash=device_hash,
+                                   db_label=db or os.environ.get("MLA_TUNE_DB") or "tuning.db",
+                                   shapes=shapes, leaderboard=leaderboard, gpu=gpu)
+        except SubmissionError as exc:
+            fail(str(exc))
+        left = "; ".join(f"{n} {why}" for why, n in sorted(sub.left_out.items()))
+        console.print(f"wrote {submission}: {sub.winners} winners" +
+                      (f" (left out: {left})" if left else ""), highlight=False)
+        return
+    assert out_path is not None
     n = export_winners(store, out_path, device_hash=device_hash)
     console.print(f"wrote {n} winners to {out_path}")
 
@@ -703,3 +902,14 @@ def main() -> None:
 
 from mla_tune.route_cli import route  # noqa: E402 - registered last, keeps cli.py's order
 app.command("route")(route)
+
+
+def _unwrapped(doc: str) -> str:
+    """A docstring's paragraphs each on one line, so help text is wrapped by the terminal's
+    width, not where the source happened to break its lines."""
+    return "\n\n".join(" ".join(p.split()) for p in doc.split("\n\n"))
+
+
+for _command in app.registered_commands:
+    if _command.help is None and _command.callback is not None and _command.callback.__doc__:
+        _command.help = _unwrapped(inspect.getdoc(_command.callback) or "")

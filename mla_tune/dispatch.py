@@ -2,8 +2,11 @@
 a shape's first call, nothing on the hot path but one dict lookup, the input checks and the
 cached kernel.
 
-Loading (once). A table of winners comes from the tuning DB (`Dispatcher.from_db`), a
-winners JSON file (`Dispatcher.from_json`, see `winners_json.py`) or a list of records.
+Loading (once). A table of winners comes from the tuning DB (`Dispatcher.from_db`; with
+no DB named, the user's ./tuning.db if it exists layered over the winners shipped with
+mla-tune), a winners JSON file (`Dispatcher.from_json`, see `winners_json.py`) or a list of
+records. Each record carries where its config was verified ok / stored wrong (a DB's
+trials, a file's `verified_ok`/`verified_wrong`); they are indexed once, at load.
 Loading never runs anything from the table. A winner is
 - ignored when it was tuned on another device model (device fingerprint differs) or for
   kernel sources that no longer exist (its source hash is not the installed backend's);
@@ -21,12 +24,14 @@ num_heads)` from the task's `config`, so no indptr is read and nothing synchroni
    (parameters left out take the backend's first feasible choice);
 1. the tuned winner of the exact shape;
 2. else the winner of the nearest tuned shape with the same KV format, heads and q_len,
-   by distance over (log batch, log kv length), ties to the smaller shape;
+   by distance over (log batch, log kv length), ties to the smaller shape; variants
+   verified at this very shape first, and none stored wrong anywhere in that family
+   (suspect); the decision says when the variant was never verified at this shape;
 3. else the occupancy heuristic (`occupancy_splits`) on the first available family of
    `HEURISTIC_BACKENDS`;
 4. else the torch family with the first feasible config of its space.
 A variant that fails its backend's precheck, its build or its first call falls through to
-the next step.
+the next step. No step ever runs a variant stored wrong for the call's exact shape.
 Fallbacks are logged once per key (nearest: INFO; heuristic and torch: WARNING);
 `MLA_TUNE_TRACE=1` prints every routing decision once per key to stderr. Routing depends
 only on the loaded table, the call's shape and the device model, never on timing or GPU
@@ -40,27 +45,31 @@ shapes' medians are compared, scaled by the ratio of KV tokens (decode is memory
 formats without tuned data come last, in the order bf16, fp8, mxfp4.
 
 Ragged batches. The config gives only the longest kv length and the lengths live on the
-device, so a ragged call must pass the host-side lengths: `run(data, kv_lens=[...])`.
-It runs the exact ragged winner if one was tuned, else the variant of the nearest uniform
-shape (the uniform batch at the longest length is distance 0), built for the exact ragged
-shape and cached per lengths tuple (the last `RAGGED_CACHE` of them). CUDA-graph capture
-wants the uniform path.
+device. A task tuple whose KV holds fewer than `batch * kv_seq_len` rows (and at least the
+longest sequence plus `q_seq_len` per other one) is a ragged call and runs its length
+bucket's runner (mla_tune/buckets.py): routed from the batch and the mean length (KV rows
+/ batch) only, built once per bucket, reading the lengths from `kv_indptr` on the device,
+so a growing serving loop builds nothing after each bucket's first call and a call is
+capturable in a CUDA graph. `run(data, kv_lens=[...])` checks the host lengths against the
+call and takes the same bucket; only where winners tuned on ragged batches were loaded does
+it look for the exact ragged winner first (built per lengths tuple, the last
+`RAGGED_CACHE`). Paged KV pools: `MLADecodeWrapper` (mla_tune/serving.py).
 
-Hot path. Per call: the key lookup, dtype/shape/device/contiguity checks (a wrong input
-raises ValueError naming the argument, before any launch) and the kernel. The checks are
+Hot path. Per call: the key lookup, dtype/shape/device/contiguity checks and the config's
+fixed fields and `sm_scale` (a wrong input raises ValueError naming the argument, before
+any launch, exactly as on a first call) and the kernel. The tensor checks are
 most of the dispatcher's cost (14 tensor-metadata reads: the dispatcher adds 3.75 us per
 call with them and 0.60 us without on the H200 host, bench/results/h200_session_2026-11-30.md);
 `check_inputs=False` keeps them for a key's first call
 only, for callers that guarantee every later call matches its config and holds the same
-KV formats. The dispatcher allocates no device memory per call and never synchronizes;
+KV formats (and KV rows: a ragged call of a config first called uniform would run the
+uniform route unchecked). The dispatcher allocates no device memory per call and never synchronizes;
 output and split buffers are the backend's, prepared in `build` (the Triton family
 preallocates them, so a call is capturable in a CUDA graph once the shape has been called
 eagerly). Building is serialized by a lock; lookups take none. A built variant may reuse
 its output tensor across calls (the Triton family does): copy an output you keep past the
 next call of the same shape, and do not call one shape from two threads or streams at
-once. Keys are exact shapes: a
-serving loop whose kv length grows every step should pad it to buckets, or it builds a
-variant per length.
+once. Uniform keys are exact shapes; ragged calls go by length bucket (above).
 """
 
 from __future__ import annotations
@@ -82,18 +91,29 @@ from mla_tune.fingerprint import CORE_PACKAGES, current_device, current_software
 from mla_tune.problem import (
     KV_LORA_RANK,
     QK_HEAD_DIM,
+    QK_ROPE_HEAD_DIM,
+    SM_SCALE,
     V_HEAD_DIM,
     KVFormat,
     Shape,
     ShapeError,
     TaskInput,
 )
+from mla_tune.routing_rules import (
+    CALL_KEY_FIELDS,
+    closest_splits,
+    format_rank,
+    nearest_distance,
+    occupancy_splits,
+    trust_tier,
+)
 from mla_tune.space import ConfigError, ParamSpace, config_key
-from mla_tune.winners_json import WinnerRecord, WinnersFileError, load_winners_json
+from mla_tune.winners_json import WinnerRecord, load_winners_json
 
 log = logging.getLogger(__name__)
 
 FORCE_ENV = "MLA_TUNE_FORCE"
+DB_ENV = "MLA_TUNE_DB"
 TRACE_ENV = "MLA_TUNE_TRACE"
 HEURISTIC_BACKENDS = ("triton", "torch")
 LAST_RESORT = "torch"
@@ -107,9 +127,9 @@ _FP4_DTYPES = frozenset({torch.uint8} | ({torch.float4_e2m1fn_x2}
                                         if hasattr(torch, "float4_e2m1fn_x2") else set()))
 _E8M0_DTYPES = frozenset({torch.uint8} | ({torch.float8_e8m0fnu}
                                          if hasattr(torch, "float8_e8m0fnu") else set()))
-_KEY_FIELDS = ("batch_size", "q_seq_len", "kv_seq_len", "num_heads")
+_KEY_FIELDS = CALL_KEY_FIELDS
 _FIXED_FIELDS = {"num_kv_heads": 1, "qk_head_dim": QK_HEAD_DIM, "kv_lora_rank": KV_LORA_RANK,
-                 "v_head_dim": V_HEAD_DIM}
+                 "qk_rope_head_dim": QK_ROPE_HEAD_DIM, "v_head_dim": V_HEAD_DIM}
 
 Runner = Callable[[TaskInput], torch.Tensor]
 
@@ -138,6 +158,21 @@ class _Winner:
     stack_diff: tuple[str, ...]
 
 
+@dataclass
+class _Checks:
+    """Where one config of one backend (installed sources, this device) was checked
+    against the reference: shape keys it matched at, shapes it was stored wrong at, and one
+    wrong shape per shape family (format, heads, q_len, page size)."""
+
+    ok: set[str]
+    wrong: set[str]
+    wrong_family: dict[tuple[KVFormat, int, int, int], Shape]
+
+
+def _shape_family(s: Shape) -> tuple[KVFormat, int, int, int]:
+    return (s.kv_format, s.heads, s.q_len, s.page_size)
+
+
 @dataclass(frozen=True)
 class _Family:
     backend: Backend
@@ -146,26 +181,6 @@ class _Family:
     before it carry (the same files)."""
     space: ParamSpace
 
-
-def occupancy_splits(batch: int, rows: int, kv_len: int, units: int, *,
-                     rows_per_block: int = 16, overhead_tokens: float = 84.1,
-                     max_splits: int = 16, min_split_tokens: int = 32) -> int:
-    """Default KV split count for an untuned shape, after seed 000's
-    `_compute_custom_splits`: maximize wave utilization (`batch * ceil(rows /
-    rows_per_block) * splits` programs over `units` SMs) times split efficiency (`kv_len /
-    (kv_len + overhead_tokens * splits)`, each split costing a fixed overhead), never
-    cutting a split below `min_split_tokens` keys."""
-    blocks = batch * -(-rows // rows_per_block)
-    best, best_score = 1, -1.0
-    for s in range(1, max_splits + 1):
-        if s > 1 and kv_len < s * min_split_tokens:
-            break
-        total = blocks * s
-        waves = -(-total // units)
-        score = total / (waves * units) * kv_len / (kv_len + overhead_tokens * s)
-        if score > best_score:
-            best, best_score = s, score
-    return best
 
 
 def _default_device(device: str | torch.device | None) -> torch.device:
@@ -210,20 +225,60 @@ def _typed_force(space: ParamSpace, raw: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def _config_shape(config: Any, kv_lens: Sequence[int] | None,
-                  kv_format: KVFormat) -> Shape:
-    """The Shape of a call, from its config (and host kv lengths when ragged)."""
+def _config_values(config: Any) -> dict[str, int]:
+    """The key fields of a call's config, after checking every field the task's config
+    has (a missing or other-valued one is a ValueError naming it): the kernels assume
+    them, and the Triton family's scale is built in."""
     if not isinstance(config, Mapping):
         raise ValueError(f"config must be a dict, got {type(config).__name__}")
     vals = {}
     for f in _KEY_FIELDS:
         v = config.get(f)
         if type(v) is not int or v < 1:
-            raise ValueError(f"config[{f!r}] must be a positive int, got {v!r}")
+            raise ValueError(f"config[{f!r}] must be a positive int, got {v!r:.80}")
         vals[f] = v
     for f, want in _FIXED_FIELDS.items():
-        if f in config and config[f] != want:
-            raise ValueError(f"config[{f!r}] is {config[f]!r}; MLA decode here needs {want}")
+        if f not in config:
+            raise ValueError(f"config lacks {f!r} (the task's config has {f}={want})")
+        if config[f] != want:
+            raise ValueError(f"config[{f!r}] is {config[f]!r:.80}; MLA decode here needs "
+                             f"{want}")
+    scale = config.get("sm_scale")
+    if scale is None:
+        raise ValueError(f"config lacks 'sm_scale' (the task's is 1/sqrt({QK_HEAD_DIM}) = "
+                         f"{SM_SCALE})")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not math.isclose(scale, SM_SCALE, rel_tol=1e-6):
+        raise ValueError(f"config['sm_scale'] is {scale!r:.80}; the tuned kernels use "
+                         f"1/sqrt({QK_HEAD_DIM}) = {SM_SCALE}")
+    return vals
+
+
+def _sizes_match(data: Any, vals: Mapping[str, int]) -> None:
+    """Compare the config with the tensors' sizes before anything is built from it, so a
+    config claiming a batch of 10**8 fails at once instead of after gigabytes."""
+    batch, rows = vals["batch_size"], vals["batch_size"] * vals["q_seq_len"]
+    q, _, qo, kvp, _ = data
+    if isinstance(q, torch.Tensor) and q.dim() == 3 \
+            and (q.shape[0] != rows or q.shape[1] != vals["num_heads"]):
+        raise ValueError(f"q has shape {tuple(q.shape)}; config batch_size {batch}, "
+                         f"q_seq_len {vals['q_seq_len']} and num_heads {vals['num_heads']} "
+                         f"need ({rows}, {vals['num_heads']}, {QK_HEAD_DIM})")
+    for t, n in ((qo, "qo_indptr"), (kvp, "kv_indptr")):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
+        if t.numel() != batch + 1:
+            raise ValueError(f"{n} has {t.numel()} elements; expected {batch + 1} (config "
+                             f"batch_size {batch})")
+
+
+def _config_shape(config: Any, kv_lens: Sequence[int] | None,
+                  kv_format: KVFormat, data: Any = None) -> Shape:
+    """The Shape of a call, from its config (and host kv lengths when ragged), checked
+    against the call's tensor sizes first when `data` is given."""
+    vals = _config_values(config)
+    if data is not None:
+        _sizes_match(data, vals)
     batch, kv_max = vals["batch_size"], vals["kv_seq_len"]
     try:
         if kv_lens is None:
@@ -297,10 +352,13 @@ def validate_inputs(data: Any, shape: Shape, device: torch.device) -> None:
         _check_tensor(t, n, [torch.int32], shape.batch + 1, device)
 
 
-def _make_runner(fn: Runner, shape: Shape, device: torch.device,
-                 on_mismatch: Callable[[TaskInput, Shape], torch.Tensor]) -> Runner:
-    """The per-key hot path: cheap checks against precomputed expectations, then `fn`.
-    Anything unexpected goes to `on_mismatch`, which re-routes or raises ValueError."""
+def _make_runner(fn: Runner, shape: Shape, device: torch.device, config: Mapping[str, Any],
+                 on_mismatch: Callable[[TaskInput, Shape, Runner], torch.Tensor]) -> Runner:
+    """The per-key hot path: cheap checks against precomputed expectations (the tensors,
+    and the fields of `config`, the first call's checked config), then `fn`. Anything
+    unexpected goes to `on_mismatch`, which re-routes, runs `fn` or raises ValueError."""
+    # The key fields matched already: the runner was found by them.
+    want = {f: config[f] for f in (*_FIXED_FIELDS, "sm_scale")}.items()
     fmt = shape.kv_format
     name = fmt.value
     code = FORMAT_ORDER.index(fmt)
@@ -313,7 +371,7 @@ def _make_runner(fn: Runner, shape: Shape, device: torch.device,
 
     def run(data: TaskInput) -> torch.Tensor:
         try:
-            q, kv_data, qo, kvp, _ = data
+            q, kv_data, qo, kvp, cfg = data
             entry = kv_data[name]
             if code == 0:
                 kv = entry
@@ -331,10 +389,11 @@ def _make_runner(fn: Runner, shape: Shape, device: torch.device,
                   and q.dtype is bf16 and q.shape == q_shape and q.device == device
                   and q.is_contiguous()
                   and qo.dtype is i32 and qo.numel() == n_ptr and qo.device == device
-                  and kvp.dtype is i32 and kvp.numel() == n_ptr and kvp.device == device)
+                  and kvp.dtype is i32 and kvp.numel() == n_ptr and kvp.device == device
+                  and want <= cfg.items())
         except Exception:  # noqa: BLE001 - any malformed input is explained by on_mismatch
             ok = False
-        return fn(data) if ok else on_mismatch(data, shape)
+        return fn(data) if ok else on_mismatch(data, shape, fn)
 
     return run
 
@@ -383,31 +442,45 @@ class Dispatcher:
                 *, kv_format: KVFormat | str | None = None, strict: bool = False,
                 check_inputs: bool = True) -> "Dispatcher":
         """Load the tuning DB's winners once (this device's are kept: module docstring).
-        The DB is opened read-only (`TuningStore(read_only=True)`): never created, migrated
+        Without `url_or_path` and $MLA_TUNE_DB, the user's ./tuning.db (when it exists) and
+        the winners shipped with mla-tune are layered: records of both, ranked as usual.
+        A DB is opened read-only (`TuningStore(read_only=True)`): never created, migrated
         or locked. A missing, unreadable, corrupt or other-schema DB (or no SQLAlchemy
-        installed) is a warning, never an error."""
+        installed) is a warning, never an error; so is a winner row that does not decode
+        (that row is skipped, not the table)."""
         dev = _default_device(device)
-        records: list[WinnerRecord] = []
-        origin = "no tuning DB"
-        try:
-            from mla_tune.db import TuningStore, resolve_url
+        here = current_device(dev).hash
+        sources: list[str | None] = [url_or_path]
+        if not url_or_path and not os.environ.get(DB_ENV):
+            sources = [None] if os.path.exists("tuning.db") else []
+            try:
+                from mla_tune.db import shipped_db_url
 
-            url = resolve_url(url_or_path)
-            origin = url.render_as_string(hide_password=True)
-            # Read-only: nothing created or migrated, no write lock taken or waited for.
-            with TuningStore(url.render_as_string(hide_password=False),
-                             read_only=True) as store:
-                rows = store.winners()  # all devices, so summary() can say what was ignored
-            for row in rows:
-                try:
-                    records.append(WinnerRecord.from_row(row))
-                except WinnersFileError as e:
-                    log.warning("mla-tune: skipping a malformed winner in %s: %s", origin, e)
-        except Exception as e:  # noqa: BLE001 - serving must never fail on the tuning DB
-            log.warning("mla-tune: tuning DB %s unusable (%s); routing by heuristics",
-                        origin, e)
+                sources.append(shipped_db_url())
+            except Exception as e:  # noqa: BLE001 - serving must never fail on the tuning DB
+                log.warning("mla-tune: the shipped tuning results cannot be located (%s)", e)
+        records: list[WinnerRecord] = []
+        origins: list[str] = []
+        for source in sources:
+            origin = "no tuning DB"
+            try:
+                from mla_tune.db import TuningStore, resolve_url
+                from mla_tune.winners_json import records_from_store
+
+                url = resolve_url(source)
+                origin = url.render_as_string(hide_password=True)
+                origins.append(origin)
+                # Read-only: nothing created or migrated, no write lock taken or waited for.
+                with TuningStore(url.render_as_string(hide_password=False),
+                                 read_only=True) as store:
+                    # All devices, so summary() can say what was ignored.
+                    records.extend(records_from_store(store, warn=_log_warning,
+                                                      verified_for=here))
+            except Exception as e:  # noqa: BLE001 - serving must never fail on the tuning DB
+                log.warning("mla-tune: tuning DB %s unusable (%s); routing by heuristics",
+                            origin, e)
         return cls(records, dev, kv_format=kv_format, strict=strict,
-                   check_inputs=check_inputs, origin=origin)
+                   check_inputs=check_inputs, origin=" + ".join(origins) or "no tuning DB")
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str], device: str | torch.device | None = None,
@@ -418,9 +491,9 @@ class Dispatcher:
         records: list[WinnerRecord] = []
         try:
             records = load_winners_json(path)
-        except (OSError, WinnersFileError) as e:
-            log.warning("mla-tune: winners file %s unusable (%s); routing by heuristics",
-                        path, e)
+        except Exception as e:  # noqa: BLE001 - serving must never fail on a winners file
+            log.warning("mla-tune: winners file %s unusable (%s: %.200s); routing by "
+                        "heuristics", path, type(e).__name__, e)
         return cls(records, device, kv_format=kv_format, strict=strict,
                    check_inputs=check_inputs, origin=str(path))
 
@@ -466,6 +539,7 @@ class Dispatcher:
                 versions = {}
             extra.update(versions)
             own[fam.backend.name] = set(versions)
+        self._checks = self._index_checks(usable)
         here_sw = current_software(extra)
         table: dict[str, _Winner] = {}
         warned: set[str] = set()
@@ -498,6 +572,35 @@ class Dispatcher:
             if prev is None or self._rank(w) < self._rank(prev):
                 table[r.shape.key] = w
         return table
+
+    @staticmethod
+    def _index_checks(usable: list[tuple[WinnerRecord, _Family]]
+                      ) -> dict[tuple[str, str], _Checks]:
+        """(backend, config key) -> where it was verified, from every usable record (a
+        winner is verified at its own shape), built once at load."""
+        out: dict[tuple[str, str], _Checks] = {}
+        for r, fam in usable:
+            try:
+                key = (r.backend, config_key(fam.space.validate(r.config)))
+            except ConfigError:
+                continue
+            c = out.setdefault(key, _Checks(set(), set(), {}))
+            c.ok.update(s.key for s in r.verified_ok)
+            c.ok.add(r.shape.key)
+            for s in r.verified_wrong:
+                c.wrong.add(s.key)
+                c.wrong_family.setdefault(_shape_family(s), s)
+        return out
+
+    def trust(self, backend: str, config: Mapping[str, Any], shape: Shape
+              ) -> tuple[int, str] | None:
+        """None if `config` of `backend` was stored wrong at `shape` (never run it there),
+        else (tier, why): 0 verified at this shape, 1 never verified here, 2 suspect (wrong
+        at another shape of its family)."""
+        c = self._checks.get((backend, config_key(config)))
+        if c is None:
+            return 1, "never verified at this shape"
+        return trust_tier(shape.key, _shape_family(shape), c.ok, c.wrong, c.wrong_family)
 
     @staticmethod
     def _rank(w: _Winner) -> tuple[Any, ...]:
@@ -542,15 +645,19 @@ class Dispatcher:
             return Decision(shape, w.record.backend, w.config, "exact",
                             f"tuned winner of this shape, {w.record.median_us:.1f} us{note}",
                             w.record.median_us, w.record.shape)
-        lb, lk = math.log(shape.batch), math.log(shape.kv_len)
 
         def distance(w: _Winner) -> tuple[float, int, int]:
             s = w.record.shape
-            return (math.hypot(math.log(s.batch) - lb, math.log(s.kv_len) - lk), s.batch,
-                    s.kv_len)
+            return nearest_distance(shape.batch, shape.kv_len, s.batch, s.kv_len)
 
-        fam_key = (shape.kv_format, shape.heads, shape.q_len, shape.page_size)
-        for w in sorted(self._uniform.get(fam_key, ()), key=distance):
+        # Never a variant stored wrong here, nor one wrong elsewhere in the family (suspect:
+        # the heuristic comes first); verified here beats never verified, then distance.
+        ranked = []
+        for w in self._uniform.get(_shape_family(shape), ()):
+            t = self.trust(w.record.backend, w.config, shape)
+            if t is not None and t[0] < 2:
+                ranked.append((t[0], distance(w), t[1], w))
+        for tier, dist, why, w in sorted(ranked, key=lambda x: x[:2]):
             fam = self._family(w.record.backend)
             if isinstance(fam, str) or fam.backend.supports(shape) is not None \
                     or not fam.backend.feasible(shape, w.config):
@@ -559,7 +666,7 @@ class Dispatcher:
             kind = "ragged call: variant of" if shape.is_ragged else "no winner here; variant of"
             return Decision(shape, w.record.backend, w.config, "nearest",
                             f"{kind} nearest tuned shape {s.label()} (log distance "
-                            f"{distance(w)[0]:.2f}, {w.record.median_us:.1f} us there)",
+                            f"{dist[0]:.2f}, {w.record.median_us:.1f} us there; {why})",
                             w.record.median_us, s)
         return None
 
@@ -571,30 +678,34 @@ class Dispatcher:
             if isinstance(fam, str) or fam.backend.supports(shape) is not None:
                 continue
             cands = fam.backend.candidates(shape, self.device)
-            if not cands:
+            trust = {i: t for i, c in enumerate(cands)
+                     if (t := self.trust(name, c, shape)) is not None}
+            if not trust:
                 continue
-            if "num_splits" in fam.space.names:
-                def gap(i: int) -> tuple[float, int]:
-                    n = int(cands[i]["num_splits"])
-                    return (abs(math.log2(n) - math.log2(splits)) if n > 0 else math.inf, i)
 
-                config = cands[min(range(len(cands)), key=gap)]
-            else:
-                config = cands[0]
+            # Without a num_splits knob every gap ties: the first unsuspected candidate.
+            idx = sorted(trust)
+            best = idx[closest_splits([cands[i].get("num_splits", 1) for i in idx], splits,
+                                      [trust[i][0] == 2 for i in idx])]
             unit = "cores" if self.fingerprint.vendor == "cpu" else "SMs"
-            return Decision(shape, name, config, "heuristic",
+            return Decision(shape, name, cands[best], "heuristic",
                             f"no tuned shape of this format/heads/q_len; occupancy model "
-                            f"wants {splits} split(s) over {units} {unit}")
+                            f"wants {splits} split(s) over {units} {unit}; {trust[best][1]}")
         return None
 
-    def _last_resort(self, shape: Shape) -> Decision:
+    def _last_resort(self, shape: Shape) -> Decision | None:
         fam = self._family(LAST_RESORT)
         if isinstance(fam, str):
             raise RuntimeError(f"mla-tune: no kernel can run here: {fam}")
-        cands = fam.backend.candidates(shape, self.device)
-        config = cands[0] if cands else next(fam.space.grid())
-        return Decision(shape, LAST_RESORT, config, "fallback",
-                        "last resort: torch family, first feasible config of its space")
+        cands = fam.backend.candidates(shape, self.device) or [next(fam.space.grid())]
+        trust = {i: t for i, c in enumerate(cands)
+                 if (t := self.trust(LAST_RESORT, c, shape)) is not None}
+        if not trust:
+            return None
+        best = min(trust, key=lambda i: (trust[i][0] == 2, i))
+        return Decision(shape, LAST_RESORT, cands[best], "fallback",
+                        "last resort: torch family, first feasible config of its space not "
+                        f"stored wrong here; {trust[best][1]}")
 
     def decisions(self, shape: Shape) -> list[Decision]:
         """Every variant a call of `shape` may run, in the order they are tried."""
@@ -602,14 +713,23 @@ class Dispatcher:
         seen: set[tuple[str, str]] = set()
         for d in (self._forced(shape), self._tuned(shape), self._heuristic(shape),
                   self._last_resort(shape)):
-            if d is not None and (d.backend, config_key(d.config)) not in seen:
-                seen.add((d.backend, config_key(d.config)))
-                out.append(d)
+            if d is None or (d.backend, config_key(d.config)) in seen:
+                continue
+            seen.add((d.backend, config_key(d.config)))
+            if self.trust(d.backend, d.config, shape) is None:
+                log.warning("mla-tune: not running %s %s for %s: stored wrong for this "
+                            "shape", d.backend, config_key(d.config), shape.key)
+                continue
+            out.append(d)
         return out
 
     def decide(self, shape: Shape) -> Decision:
         """What a call of `shape` runs (if it builds), and why."""
-        return self.decisions(shape)[0]
+        out = self.decisions(shape)
+        if not out:
+            raise RuntimeError(f"mla-tune: every variant that could run {shape.key} was "
+                               "stored wrong for it")
+        return out[0]
 
     def choose_format(self, shape: Shape, present: Iterable[str]) -> KVFormat:
         """The KV format a call of `shape` (its own format ignored) runs in, among the
@@ -625,11 +745,10 @@ class Dispatcher:
         def estimate(f: KVFormat) -> tuple[int, float, int]:
             s = shape.with_format(f)
             d = self._tuned(s)
-            if d is None or d.tuned_shape is None or d.tuned_us is None:
-                return (2, math.inf, FORMAT_ORDER.index(f))
-            tier = 0 if d.reason == "exact" else 1
-            return (tier, d.tuned_us * s.total_kv / d.tuned_shape.total_kv,
-                    FORMAT_ORDER.index(f))
+            if d is None or d.tuned_shape is None:
+                return format_rank(None, None, s.total_kv, None, f.value)
+            return format_rank(d.reason, d.tuned_us, s.total_kv, d.tuned_shape.total_kv,
+                               f.value)
 
         return min(have, key=estimate)
 
@@ -659,6 +778,11 @@ class Dispatcher:
         if len(set(lens)) == 1 and isinstance(data, (tuple, list)) and len(data) == 5 \
                 and isinstance(data[4], Mapping) and data[4].get("kv_seq_len") == lens[0]:
             return self.run(data)
+        from mla_tune.buckets import router_for
+
+        router = router_for(self)
+        if not router.has_ragged_winners:  # no exact ragged winner can exist: the bucket
+            return router.run_task(data, lens)
         key = ("ragged", lens) + tuple(_config_field(data, f) for f in _KEY_FIELDS)
         with self._lock:
             runner = self._ragged.get(key)
@@ -668,9 +792,10 @@ class Dispatcher:
             return self._first_call(data, lens, self._ragged, key)
         return runner(data)
 
-    def _mismatch(self, data: TaskInput, shape: Shape) -> torch.Tensor:
+    def _mismatch(self, data: TaskInput, shape: Shape, fn: Runner) -> torch.Tensor:
         """A cached runner's checks failed: re-route if the call only lacks the chosen
-        format, else raise ValueError naming the bad argument."""
+        format, run `fn` if the config only differs in form (a float's last bit, a dict
+        type), else raise ValueError naming the bad argument, as a first call would."""
         kv_data = data[1] if isinstance(data, (tuple, list)) and len(data) == 5 else None
         if self.kv_format is None and isinstance(kv_data, Mapping) \
                 and shape.kv_format.value not in kv_data:
@@ -681,8 +806,13 @@ class Dispatcher:
                 return runner(data)
             return self._first_call(data, shape.kv_lens if shape.is_ragged else None,
                                     self._other, key)
+        from mla_tune.buckets import ragged_rows, router_for
+
+        if not shape.is_ragged and ragged_rows(data) is not None:
+            return router_for(self).run_task(data)
         validate_inputs(data, shape, self.device)
-        raise ValueError(f"inputs do not match {shape.key} on {self.device}")
+        _config_values(data[4])
+        return fn(data)
 
     def _first_call(self, data: TaskInput, kv_lens: tuple[int, ...] | None,
                     cache: dict[tuple[Any, ...], Runner],
@@ -690,6 +820,12 @@ class Dispatcher:
         """Route, build and run a key's first call; later calls take the cached runner."""
         if not isinstance(data, (tuple, list)) or len(data) != 5:
             raise ValueError("data must be the tuple (q, kv_data, qo_indptr, kv_indptr, config)")
+        _sizes_match(data, _config_values(data[4]))  # before anything is built from it
+        if kv_lens is None and cache is self._routes:
+            from mla_tune.buckets import ragged_rows, router_for
+
+            if ragged_rows(data) is not None:  # lengths on the device only: its bucket
+                return router_for(self).run_task(data)
         config = data[4]
         probe = _config_shape(config, kv_lens, KVFormat.BF16)
         if not isinstance(data[1], Mapping):
@@ -709,7 +845,7 @@ class Dispatcher:
                     if why:
                         raise RuntimeError(f"precheck: {why}")
                     fn = backend.build(shape, d.config, self.device)
-                    runner = (_make_runner(fn, shape, self.device, self._mismatch)
+                    runner = (_make_runner(fn, shape, self.device, config, self._mismatch)
                               if self.check_inputs else fn)
                     out = runner(data)
                 except Exception as e:  # noqa: BLE001 - fall through to the next variant
@@ -731,6 +867,10 @@ class Dispatcher:
             log.info("mla-tune: %s", d.describe())
         elif d.reason in ("heuristic", "fallback"):
             log.warning("mla-tune: %s", d.describe())
+
+
+def _log_warning(message: str) -> None:
+    log.warning("%s", message)
 
 
 def _config_field(data: Any, field: str) -> Any:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -19,6 +20,7 @@ from typing import Any
 from mla_tune.db import TrialRow, TuningStore, WinnerRow
 from mla_tune.problem import KVFormat, Shape
 from mla_tune.runoff import timed_with
+from mla_tune.winners_json import WinnerRecord, WinnersFileError
 
 LIBRARY_BACKENDS = ("flashinfer", "aiter")
 ALL_FORMATS = "all"
@@ -52,7 +54,10 @@ def ci95_halfwidth(std_us: float | None, n: int | None) -> float | None:
 def _knob_order(value: Any) -> tuple[int, float, str]:
     """Numbers first in numeric order, then everything else by its text."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return (0, float(value), "")
+        try:
+            return (0, float(value), "")
+        except OverflowError:  # an integer of hundreds of digits: a damaged row's
+            return (0, math.copysign(math.inf, value), "")
     return (1, 0.0, json.dumps(value))
 
 
@@ -180,6 +185,12 @@ class ReportRow:
         }
 
     @property
+    def above_ceiling(self) -> bool:
+        """It read faster than the device's stored read ceiling: shown unclamped and
+        flagged, since a ceiling measured too low is what such a row shows."""
+        return self.pct_of_read_bw is not None and self.pct_of_read_bw > 100.0
+
+    @property
     def winner_label(self) -> str:
         """The winning backend, marked when its sources are superseded."""
         return f"{self.backend} (superseded)" if self.superseded else self.backend
@@ -203,8 +214,10 @@ def _best(trials: list[TrialRow], backends: Iterable[str]) -> tuple[str | None, 
 
 
 def _row(w: WinnerRow, trials: list[TrialRow], superseded: bool) -> ReportRow:
-    """The report row of winner `w`, from the trials of its tuning key (oldest first)."""
-    shape = Shape.from_json(w.shape_json)
+    """The report row of winner `w`, from the trials of its tuning key (oldest first).
+    Raises WinnersFileError when `w` is not a winner the dispatcher would load: its shape,
+    config and time go through the winners file's parser, which caps every size."""
+    shape = WinnerRecord.from_row(w).shape
     ok = [t for t in trials if t.status == "ok"]
     win = next((t for t in trials if t.id == w.trial_id), None)
     base_backend, base_us = _best(ok, LIBRARY_BACKENDS)
@@ -227,9 +240,11 @@ def _row(w: WinnerRow, trials: list[TrialRow], superseded: bool) -> ReportRow:
 
 def report_rows(store: TuningStore, shape_key: str | None = None, *,
                 shape_keys: Collection[str] | None = None, device_hash: str | None = None,
-                software_hash: str | None = None) -> list[ReportRow]:
+                software_hash: str | None = None,
+                skipped: list[str] | None = None) -> list[ReportRow]:
     """Report rows for every stored winner, optionally narrowed to one shape key, a set of
-    shape keys (a suite), and/or one device or software stack (hash prefixes)."""
+    shape keys (a suite), and/or one device or software stack (hash prefixes). A winner
+    that is not a valid one (a damaged row) is left out, and said why in `skipped`."""
     winners = [w for w in store.winners(shape_key=shape_key)
                if (shape_keys is None or w.shape_key in shape_keys)
                and (device_hash is None or w.device.hash.startswith(device_hash))
@@ -241,9 +256,14 @@ def report_rows(store: TuningStore, shape_key: str | None = None, *,
     for t in trials:
         by_key[t.device_id, t.software_id, t.shape_key].append(t)
     newest = newest_sources(trials)
-    rows = [_row(w, by_key[w.device_id, w.software_id, w.shape_key],
-                 superseded=w.source_hash != newest.get(w.backend, w.source_hash))
-            for w in winners]
+    rows = []
+    for w in winners:
+        try:
+            rows.append(_row(w, by_key[w.device_id, w.software_id, w.shape_key],
+                             superseded=w.source_hash != newest.get(w.backend, w.source_hash)))
+        except WinnersFileError as e:
+            if skipped is not None:
+                skipped.append(f"winner {w.id} ({w.shape_key[:80]}): {str(e)[:300]}")
     rows.sort(key=lambda r: (r.device, r.software_hash, r.shape.kv_format.value, r.shape.q_len,
                              r.shape.heads, r.shape.kv_len, r.shape.batch))
     return rows
@@ -270,12 +290,24 @@ class SuiteSummary:
     speedup_vs_torch: float | None
     superseded: int = 0
     """Winners of this group left out because their kernel sources are superseded."""
+    with_baseline: int = 0
+    """Shapes of `shapes` with a baseline timed: the vs-baseline geomean is over these."""
+    with_torch: int = 0
+    """Shapes of `shapes` with a torch time: the vs-torch geomean is over these."""
 
     def to_json(self) -> dict[str, Any]:
         return {"device": self.device, "software_hash": self.software_hash,
                 "kv_format": self.kv_format, "shapes": self.shapes, "missing": self.missing,
                 "geomean_us": self.geomean_us, "speedup_vs_baseline": self.speedup_vs_baseline,
-                "speedup_vs_torch": self.speedup_vs_torch, "superseded": self.superseded}
+                "speedup_vs_torch": self.speedup_vs_torch, "superseded": self.superseded,
+                "with_baseline": self.with_baseline, "with_torch": self.with_torch}
+
+    def speedup_texts(self) -> list[str]:
+        """'1.23x vs baseline over 3 of 14 shapes', and the same vs torch: a geomean over
+        the shapes that have that time, saying how many of the group's shapes those are."""
+        return [f"{v:.2f}x vs {name} over {n} of {self.shapes} shapes"
+                for name, v, n in (("baseline", self.speedup_vs_baseline, self.with_baseline),
+                                   ("torch", self.speedup_vs_torch, self.with_torch)) if v]
 
 
 def suite_summaries(rows: Sequence[ReportRow],
@@ -307,5 +339,144 @@ def suite_summaries(rows: Sequence[ReportRow],
                 missing=missing, geomean_us=geomean(r.median_us for r in rs),
                 speedup_vs_baseline=geomean(r.speedup_vs_baseline for r in rs),
                 speedup_vs_torch=geomean(r.speedup_vs_torch for r in rs),
-                superseded=len(all_rs) - len(rs)))
+                superseded=len(all_rs) - len(rs),
+                with_baseline=sum(1 for r in rs if r.speedup_vs_baseline),
+                with_torch=sum(1 for r in rs if r.speedup_vs_torch)))
     return out
+
+
+def baseline_sources(rows: Sequence[ReportRow]) -> dict[tuple[str, str], Counter[str]]:
+    """Per (device, stack): how many of its current winners have a baseline from each
+    backend. A baseline is always of the winner's own device and stack; a stack swept
+    without a library installed has torch (or no) baselines, whatever older stacks had."""
+    out: dict[tuple[str, str], Counter[str]] = {}
+    for r in rows:
+        if r.superseded:
+            continue
+        c = out.setdefault((r.device, r.software_hash), Counter())
+        if r.baseline_backend and r.baseline_us:
+            c[r.baseline_backend] += 1
+    return out
+
+
+def config_text(config: dict[str, Any]) -> str:
+    """A config as `knob=value` pairs: a third of its JSON's width."""
+    return " ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+                    for k, v in sorted(config.items()))
+
+
+def _pct(r: ReportRow) -> str:
+    if r.pct_of_read_bw is None:
+        return "-"
+    return f"{r.pct_of_read_bw:.0f}%" + ("!" if r.above_ceiling else "")
+
+
+def _trials_text(r: ReportRow) -> str:
+    c = r.counts
+    return f"{c.get('ok', 0)}/{c.get('wrong', 0)}/{c.get('failed', 0)}/{c.get('timeout', 0)}"
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of the terminal and markdown tables."""
+
+    header: str
+    cell: Callable[[ReportRow], str]
+    numeric: bool = True
+    help: str = ""
+
+
+COLUMNS: dict[str, Column] = {
+    "device": Column("device", lambda r: r.device, False),
+    "stack": Column("stack", lambda r: r.software_hash[:8], False, "software stack hash"),
+    "shape": Column("shape", lambda r: r.shape.label(), False),
+    "winner": Column("winner", lambda r: r.backend + ("*" if r.superseded else ""), False,
+                     "* = superseded"),
+    "config": Column("config", lambda r: config_text(r.config), False),
+    "us": Column("µs", lambda r: f"{r.median_us:.1f}", help="median"),
+    "ci": Column("±95%", lambda r: f"{r.ci95_us:.1f}" if r.ci95_us is not None else "-"),
+    "sbs": Column("side", lambda r: str(r.side_by_side) if r.side_by_side else "-",
+                  help="variants timed side by side with it"),
+    "gbps": Column("GB/s", lambda r: f"{r.eff_gbps:.0f}"),
+    "bw": Column("% bw", _pct, help="of the device's measured read ceiling"),
+    "baseline": Column("baseline", lambda r: r.baseline_backend or "-", False),
+    "baseline_us": Column("base µs", lambda r: f"{r.baseline_us:.1f}" if r.baseline_us
+                          else "-"),
+    "vs_baseline": Column("vs base", lambda r: f"{r.speedup_vs_baseline:.2f}x"
+                          if r.speedup_vs_baseline else "-"),
+    "vs_torch": Column("vs torch", lambda r: f"{r.speedup_vs_torch:.2f}x"
+                       if r.speedup_vs_torch else "-"),
+    "trials": Column("trials", _trials_text, False, "ok/wrong/failed/timeout"),
+}
+# Fits 80 columns with every shape label (`256x8192 mxfp4 h128 q4`) and backend name.
+DEFAULT_COLUMNS = ("shape", "winner", "us", "ci", "gbps", "bw", "baseline", "vs_baseline")
+
+
+def parse_columns(text: str) -> list[str]:
+    """Column names from `a,b,c` (`default` stands for the default set); ValueError names
+    the unknown ones and lists those that exist."""
+    names: list[str] = []
+    for part in (p.strip().lower() for p in text.split(",")):
+        if part == "default":
+            names.extend(DEFAULT_COLUMNS)
+        elif part in COLUMNS:
+            names.append(part)
+        elif part:
+            raise ValueError(f"unknown column {part!r}; choose from default, "
+                             f"{', '.join(COLUMNS)}")
+    if not names:
+        raise ValueError(f"no columns given; choose from default, {', '.join(COLUMNS)}")
+    return list(dict.fromkeys(names))
+
+
+def markdown_table(rows: Sequence[ReportRow], columns: Sequence[str]) -> str:
+    """The rows as a GitHub-flavoured markdown table (`|` in a cell escaped)."""
+    cols = [COLUMNS[c] for c in columns]
+    def cell(text: str) -> str:
+        return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+    lines = ["| " + " | ".join(c.header for c in cols) + " |",
+             "|" + "|".join("---:" if c.numeric else "---" for c in cols) + "|"]
+    lines += ["| " + " | ".join(cell(c.cell(r)) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def shape_matcher(text: str) -> Callable[[Shape], bool]:
+    """What `report --shape` selects: a shape key (`b4-q1-kv1024-h16-bf16-p1`), a label as
+    the table prints it (`4x1024 bf16 h16 q1`), or the CLI notation `BATCHxKV` with any of
+    a KV format, hN, qN, pN after it (`4x1024`, `4x1024 fp8`, `4x1024:fp8`). ValueError
+    when the text is none of these."""
+    text = text.strip()
+    if _KEY_RE.fullmatch(text):
+        return lambda s: s.key == text
+    parts = [p for p in re.split(r"[\s:,/]+", text) if p]
+    m = _SIZE_RE.fullmatch(parts[0]) if parts else None
+    if m is None:
+        raise ValueError(f"bad shape {text!r}: give BATCHxKV (e.g. 4x1024), optionally with "
+                         "a KV format, hN, qN or pN after it (e.g. '4x1024 fp8 h16'), or a "
+                         "shape key from `report --format json`")
+    batch, kv, ragged = int(m.group(1)), int(m.group(2).strip("~r")), "~" in m.group(2)
+
+    def size(s: Shape) -> bool:  # a ragged label shows the mean kv length, `~Nr`
+        return s.batch == batch and s.is_ragged == ragged and (
+            s.total_kv // s.batch if ragged else s.kv_len) == kv
+
+    tests: list[Callable[[Shape], bool]] = [size]
+    for part in parts[1:]:
+        q = _QUAL_RE.fullmatch(part.lower())
+        if q is not None:
+            attr = {"h": "heads", "q": "q_len", "p": "page_size"}[q.group(1)]
+            tests.append(lambda s, a=attr, v=int(q.group(2)): getattr(s, a) == v)
+            continue
+        try:
+            fmt = KVFormat.parse(part)
+        except ValueError:
+            raise ValueError(f"bad shape {text!r}: {part!r} is neither a KV format "
+                             f"({', '.join(f.value for f in KVFormat)}) nor hN, qN or "
+                             "pN") from None
+        tests.append(lambda s, f=fmt: s.kv_format == f)
+    return lambda s: all(t(s) for t in tests)
+
+
+_KEY_RE = re.compile(r"b\d+-q\d+-kvr?\d+(-[0-9a-f]+)?-h\d+-[a-z0-9]+-p\d+")
+_SIZE_RE = re.compile(r"(\d+)[xX](~?\d+r?)")
+_QUAL_RE = re.compile(r"([hqp])(\d+)")

@@ -14,7 +14,7 @@ import json
 import math
 import re
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,7 +24,9 @@ from mla_tune.db import DeviceRow, TuningStore
 from mla_tune.problem import Shape
 from mla_tune.report import (
     ReportRow,
+    baseline_sources,
     best_by_knob,
+    config_text,
     latest_source_trials,
     suite_summaries,
 )
@@ -196,40 +198,58 @@ def _fmt(v: float) -> str:
 
 
 def _linear_ticks(lo: float, hi: float, target: int = 5) -> list[float]:
+    """Evenly spaced round values from the largest one <= lo to the smallest >= hi, so an
+    axis drawn over them contains every value between lo and hi."""
     raw = (hi - lo) / target
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step)
-    return [k * step for k in range(first, math.floor(hi / step) + 1)]
+    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
+    return [_round(k * step) for k in range(first, last + 1)]
+
+
+def _round(v: float) -> float:
+    return float(f"{v:.12g}")  # 0.30000000000000004 -> 0.3
 
 
 def _log_ticks(lo: float, hi: float) -> list[float]:
-    """Decades; denser mantissas (1-2-5, 1-2-3-5, every digit) as the range narrows;
-    linear steps when even those give fewer than two ticks."""
-    e0, e1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
-    for mults in ((1,), (1, 2, 5), (1, 2, 3, 5), tuple(range(1, 10))):
-        ticks = [m * 10.0**e for e in range(e0, e1 + 1) for m in mults if lo <= m * 10.0**e <= hi]
-        if len(ticks) >= 3:
+    """Round values from the largest one <= lo to the smallest >= hi on a log axis:
+    decades, or denser mantissas (1-2-5, 1-2-3-5, every digit) while they stay few; even
+    steps over a range of less than 4x, where a log axis has no decade to show."""
+    if hi / lo < 4:
+        ticks = _linear_ticks(lo, hi, 4)
+        if ticks[0] > 0:
             return ticks
-    return ticks if len(ticks) >= 2 else _linear_ticks(lo, hi, 3)
+    e0, e1 = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    for mults in (tuple(range(1, 10)), (1, 2, 3, 5), (1, 2, 5), (1,)):
+        vals = [_round(m * 10.0**e) for e in range(e0 - 1, e1 + 1) for m in mults]
+        below = max(v for v in vals if v <= lo * (1 + 1e-9))
+        above = min(v for v in vals if v >= hi * (1 - 1e-9))
+        ticks = [v for v in vals if below <= v <= above]
+        if len(ticks) <= 7 or mults == (1,):
+            return ticks
+    raise AssertionError("unreachable: decades always qualify")
 
 
 class _Scale:
-    """Maps data values to pixels along one axis (numeric, log or linear)."""
+    """Maps data values to pixels along one axis (numeric, log or linear). Its first and
+    last ticks enclose every value, and the axis ends a little beyond them."""
 
     def __init__(self, values: Iterable[float], log: bool, p0: float, p1: float) -> None:
         vals = [v for v in values if math.isfinite(v) and (v > 0 or not log)]
         lo, hi = (min(vals), max(vals)) if vals else (1.0, 10.0)
+        if hi == lo:
+            lo, hi = (lo / 1.5, hi * 1.5) if log else (lo - (abs(lo) * 0.1 or 1.0),
+                                                         hi + (abs(hi) * 0.1 or 1.0))
         self.log = log
+        self.ticks = _log_ticks(lo, hi) if log else _linear_ticks(lo, hi)
+        lo, hi = self.ticks[0], self.ticks[-1]
         if log:
-            span = max(math.log10(hi / lo), 0.3)
-            mid = (math.log10(hi) + math.log10(lo)) / 2
-            lo, hi = 10 ** (mid - span * 0.55), 10 ** (mid + span * 0.55)
+            pad = (math.log10(hi) - math.log10(lo)) * 0.04
+            lo, hi = lo / 10**pad, hi * 10**pad
         else:
-            pad = (hi - lo) * 0.05 or abs(hi) * 0.1 or 1.0
+            pad = (hi - lo) * 0.04
             lo, hi = lo - pad, hi + pad
         self.lo, self.hi, self.p0, self.p1 = lo, hi, p0, p1
-        self.ticks = _log_ticks(lo, hi) if log else _linear_ticks(lo, hi)
 
     def __call__(self, v: float) -> float:
         if self.log:
@@ -398,6 +418,9 @@ svg.chart{font:11px system-ui,sans-serif;border:1px solid #eee}
 svg .t{font-size:13px;font-weight:600}
 svg .g{stroke:#eee}svg .frame{fill:none;stroke:#999}svg .ref{stroke:#555;stroke-dasharray:5 4}
 code{font-size:11px}
+nav ul{margin:4px 0;padding-left:20px}nav li.shapes{font-size:12px;line-height:1.7}
+.scroll{max-width:100%;overflow-x:auto}
+td.cfg{min-width:16em;max-width:30em;overflow-wrap:anywhere}
 """
 # The page may use its own inline styles and nothing else: no script, image, font or
 # stylesheet can be fetched, whoever opens it.
@@ -408,14 +431,18 @@ def _num(v: float | None, spec: str, suffix: str = "") -> str:
     return "-" if v is None else f"{v:{spec}}{suffix}"
 
 
-def _table(headers: Sequence[str], body: Iterable[Sequence[str]], numeric: set[int]) -> str:
+def _table(headers: Sequence[str], body: Iterable[Sequence[str]], numeric: set[int],
+           wrapping: Collection[int] = ()) -> str:
+    """A table in a container that scrolls sideways when the page is narrower than it;
+    `wrapping` columns (configs) wrap inside a bounded width instead of widening it."""
     head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
     rows = []
     for cells in body:
-        tds = "".join(f'<td class="n">{c}</td>' if i in numeric else f"<td>{c}</td>"
+        tds = "".join(f'<td class="n">{c}</td>' if i in numeric else
+                      f'<td class="cfg">{c}</td>' if i in wrapping else f"<td>{c}</td>"
                       for i, c in enumerate(cells))
         rows.append(f"<tr>{tds}</tr>")
-    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+    return f'<div class="scroll"><table><tr>{head}</tr>{"".join(rows)}</table></div>'
 
 
 def _read_bw(devices: Iterable[DeviceRow]) -> dict[str, float | None]:
@@ -425,6 +452,16 @@ def _read_bw(devices: Iterable[DeviceRow]) -> dict[str, float | None]:
 
 def _spread_text(row: ReportRow) -> str:
     return ", ".join(f"{k} {v:.2f}x" for k, v in row.knob_spread.items()) or "-"
+
+
+def _pct_cell(r: ReportRow) -> str:
+    """% of the read ceiling, unclamped; above 100 % flagged (the ceiling is too low)."""
+    if r.pct_of_read_bw is None:
+        return "-"
+    if r.above_ceiling:
+        return (f'<span class="bad" title="above the stored read ceiling: it was measured '
+                f'too low">{r.pct_of_read_bw:.1f}% !</span>')
+    return f"{r.pct_of_read_bw:.1f}%"
 
 
 def _winner_table(rows: Sequence[ReportRow], multi: bool) -> str:
@@ -439,24 +476,65 @@ def _winner_table(rows: Sequence[ReportRow], multi: bool) -> str:
         body.append([
             _esc(r.device), *([f"<code>{r.software_hash[:8]}</code>"] if multi else []),
             _esc(r.shape.label()), _esc(r.winner_label),
-            f"<code>{_esc(json.dumps(r.config, sort_keys=True))}</code>",
+            f"<code>{_esc(config_text(r.config))}</code>",
             f"{r.median_us:.1f}", _num(r.ci95_us, ".2f"), f"{r.eff_gbps:.0f}",
-            _num(r.pct_of_read_bw, ".1f", "%"), base, _num(r.speedup_vs_baseline, ".2f", "x"),
+            _pct_cell(r), base, _num(r.speedup_vs_baseline, ".2f", "x"),
             _num(r.speedup_vs_torch, ".2f", "x"),
             f"{c.get('ok', 0)}/{c.get('wrong', 0)}/{c.get('failed', 0)}/{c.get('timeout', 0)}",
             _esc(_spread_text(r))])
-    return _table(headers, body, {i + off for i in (4, 5, 6, 7, 9, 10)})
+    return _table(headers, body, {i + off for i in (4, 5, 6, 7, 9, 10)}, {off + 3})
 
 
 def _summary_table(rows: Sequence[ReportRow], suite: Sequence[Shape] | None) -> str:
+    def over(v: float | None, n: int, of: int) -> str:
+        return "-" if v is None else f"{v:.2f}x ({n} of {of})"
+
     body = [[_esc(s.device), f"<code>{s.software_hash[:8]}</code>", _esc(s.kv_format),
              str(s.shapes), "-" if s.missing is None else str(s.missing),
-             _num(s.geomean_us, ".2f"), _num(s.speedup_vs_baseline, ".2f", "x"),
-             _num(s.speedup_vs_torch, ".2f", "x"), str(s.superseded)]
+             _num(s.geomean_us, ".2f"), over(s.speedup_vs_baseline, s.with_baseline, s.shapes),
+             over(s.speedup_vs_torch, s.with_torch, s.shapes), str(s.superseded)]
             for s in suite_summaries(rows, suite)]
     return _table(["device", "stack", "kv format", "shapes", "missing from suite",
-                   "geomean µs", "geomean vs baseline", "geomean vs torch",
-                   "superseded (left out)"], body, {3, 4, 5, 6, 7, 8})
+                   "geomean µs", "geomean vs baseline (shapes with one)",
+                   "geomean vs torch (shapes with one)", "superseded (left out)"], body,
+                  {3, 4, 5, 6, 7, 8})
+
+
+def _contents(rows: Sequence[ReportRow], anchors: dict[int, str], multi: bool) -> str:
+    """Links to every section, and to each shape's knob charts (the long part)."""
+    shapes = " · ".join(
+        f'<a href="#{_esc(anchors[id(r)])}">{_esc(r.shape.label())}'
+        f"{' ' + r.software_hash[:8] if multi else ''}</a>" for r in rows)
+    return ('<nav><h2 id="contents">Contents</h2><ul>'
+            '<li><a href="#devices">Devices and software</a></li>'
+            '<li><a href="#geomeans">Geometric means</a></li>'
+            '<li><a href="#roofline">Roofline</a></li>'
+            '<li><a href="#winners">Winners</a></li>'
+            f'<li><a href="#knobs">Knobs per shape</a><ul><li class="shapes">{shapes}</li>'
+            "</ul></li></ul></nav>")
+
+
+def _baseline_note(rows: Sequence[ReportRow]) -> str:
+    """Which baselines each stack has: a baseline is timed in the winner's own stack."""
+    items = []
+    for (device, sw), counts in baseline_sources(rows).items():
+        current = sum(1 for r in rows if not r.superseded
+                      and (r.device, r.software_hash) == (device, sw))
+        have = ", ".join(f"{_esc(b)} at {n}" for b, n in counts.most_common()) or "none"
+        items.append(f"<li>stack <code>{sw[:8]}</code> on {_esc(device)}: {have} of "
+                     f"{current} current winners</li>")
+    return ("<p>Baselines (the fastest library kernel timed, else torch) are always of the "
+            "winner's own device and stack; a geomean vs baseline counts only the shapes "
+            f"that have one.</p><ul>{''.join(items)}</ul>")
+
+
+def _ceiling_note(rows: Sequence[ReportRow]) -> str:
+    high = [r for r in rows if r.above_ceiling]
+    if not high:
+        return ""
+    return (f'<p class="bad">{len(high)} winner(s) read faster than their device\'s stored '
+            "read ceiling, shown unclamped and marked !: that ceiling was measured too low "
+            "(<code>bench/read_ceiling.py</code> measures it as sweeps now do).</p>")
 
 
 def render_html(store: TuningStore, rows: Sequence[ReportRow],
@@ -490,20 +568,28 @@ def render_html(store: TuningStore, rows: Sequence[ReportRow],
     stack_rows = [[f"<code>{h}</code>",
                    _esc(", ".join(f"{k} {v}" for k, v in stacks[h].versions))]
                   for h in dict.fromkeys(r.software_hash for r in rows) if h in stacks]
-    parts += ["<h2>Devices and software</h2>",
+    anchors = {id(r): f"k-{r.shape.key}{_group_tag(r, True)}" for r in rows}
+    parts += [_contents(rows, anchors, multi),
+              '<h2 id="devices">Devices and software</h2>',
               _table(["device", "hash", "arch", "measured read GB/s"], dev_rows, {3}),
-              "<p></p>", _table(["stack", "versions"], stack_rows, set()),
-              "<h2>Geometric means</h2>", _summary_table(rows, suite),
-              "<h2>Roofline</h2>", '<div class="figs">']
+              "<p>The read ceiling is the fastest of several read-only kernels streaming "
+              "4 GiB (<code>mla_tune.bandwidth</code>), measured once per device by the "
+              "first sweep; every % of read bandwidth here is against it.</p>",
+              _table(["stack", "versions"], stack_rows, set()),
+              '<h2 id="geomeans">Geometric means</h2>', _summary_table(rows, suite),
+              _baseline_note(rows),
+              '<h2 id="roofline">Roofline</h2>', '<div class="figs">']
     parts += [chart_svg(c) for f in roofline_figures(rows, read_bw) for c in f.charts]
-    parts += ["</div>", "<h2>Winners</h2>", _winner_table(rows, multi),
-              "<h2>Knobs per shape</h2>",
+    parts += ["</div>", '<h2 id="winners">Winners</h2>', _ceiling_note(rows),
+              _winner_table(rows, multi),
+              '<h2 id="knobs">Knobs per shape</h2>',
               "<p>Each point is the fastest correct config with that knob value (every other "
               "knob at its best), per backend, for the latest sources of each backend.</p>"]
     for r in rows:
         fig = knob_figure(r, multi)
         stack = f" · stack {r.software_hash[:8]}" if multi else ""
-        parts.append(f"<h3>{_esc(r.shape.label())} · {_esc(r.device)}{stack}</h3>"
+        parts.append(f'<h3 id="{_esc(anchors[id(r)])}">{_esc(r.shape.label())} · '
+                     f"{_esc(r.device)}{stack}</h3>"
                      f"<p>knob spread: {_esc(_spread_text(r))}</p>")
         if fig is not None:
             parts.append('<div class="figs">' + "".join(chart_svg(c) for c in fig.charts)

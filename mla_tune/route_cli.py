@@ -9,7 +9,8 @@ from rich.console import Console
 
 from mla_tune.problem import KVFormat, ShapeError, parse_shape
 
-_out = Console(highlight=False, soft_wrap=True)
+# Configs and file names are printed as they are: no markup, no :emoji: codes.
+_out = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
 
 
 def route(

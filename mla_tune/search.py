@@ -9,6 +9,7 @@ ask Optuna's samplers, within a budget of distinct measured configs per (key, ba
 from __future__ import annotations
 
 import enum
+import json
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -96,6 +97,9 @@ class SearchDriver:
         # neither a result nor a budget slot of this driver.
         self._elsewhere: set[str] = set()
         self._stale = 0
+        # Configs of this key that every sweep on the DB has measured or is measuring
+        # (`note_spent`): the budget counts them, not only this driver's.
+        self._spent = 0
         self._heartbeat = is_heartbeat_enabled(study._storage)
         if self._heartbeat:  # fail trials a killed process left RUNNING
             with warnings.catch_warnings():
@@ -123,6 +127,20 @@ class SearchDriver:
         key = config_key(config)
         self._elsewhere.discard(key)
         self._pending.setdefault(key, None)
+
+    def note_spent(self, spent: int) -> None:
+        """`spent` configs of this key are measured or out for measurement, by any sweep
+        (`TuningStore.spent`): the budget is shared by every sweep of the key."""
+        self._spent = spent
+
+    def withdraw(self, config: dict[str, Any]) -> None:
+        """`config`, asked here, will not be measured (the budget was spent meanwhile by
+        other sweeps): its Optuna trial is closed as FAIL, marked, and the config is not a
+        result."""
+        trial = self._pending.pop(config_key(config), None)
+        if trial is not None:
+            trial.set_user_attr("withdrawn", True)
+            self.study.tell(trial, state=TrialState.FAIL)
 
     def measured_elsewhere(self, config: dict[str, Any]) -> None:
         """`config`, asked here, is measured or being measured by another sweep. It is not
@@ -198,7 +216,38 @@ class SearchDriver:
 
     def _room(self) -> int:
         assert self.budget is not None
-        return max(0, self.budget - len(self.measured) - len(self._pending))
+        return max(0, self.budget - max(len(self.measured) + len(self._pending), self._spent))
+
+    def reconcile(self, stored: Mapping[str, float | None]) -> int:
+        """Tell the study the stored results (config key -> time, None when not ok) it
+        lacks; returns how many. Our table is the source of truth, and a sweep killed
+        between storing a trial and telling Optuna, or a study made anew for results
+        already stored (e.g. after `mla-tune rehash`), leaves the study short. A stored
+        time needs a COMPLETE trial; a failed config, any trial of its own."""
+        if not stored:
+            return 0
+        complete: dict[str, bool] = {}
+        for t in self.study.get_trials(deepcopy=False,
+                                       states=(TrialState.COMPLETE, TrialState.FAIL)):
+            if t.user_attrs.get("measured_elsewhere") or t.user_attrs.get("withdrawn"):
+                continue
+            key = config_key(t.params)
+            complete[key] = complete.get(key, False) or t.state == TrialState.COMPLETE
+        told = 0
+        for key, value in stored.items():
+            if key in complete and (value is None or complete[key]):
+                continue
+            config = json.loads(key)
+            if self._fits(config):
+                self._tell(config, None, value)
+                told += 1
+        return told
+
+    def _fits(self, config: Mapping[str, Any]) -> bool:
+        """Whether `config` is a point of this space (stored configs of an older space
+        cannot be told to the study)."""
+        return (isinstance(config, dict) and set(config) == set(self.distributions)
+                and all(config[k] in d.choices for k, d in self.distributions.items()))
 
     def _tell(self, config: dict[str, Any], trial: optuna.Trial | None,
               value: float | None) -> None:

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
 
 import optuna
@@ -174,6 +178,34 @@ def owner_is_dead(owner: str) -> bool:
     return False
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM while a result is stored and told to Optuna, so a stop never
+    lands between the two (the study would be a trial short); a signal that came meanwhile
+    is handled on leaving, as it would have been. Handlers, not a signal mask: any thread
+    may receive a process's signal, and Python runs its handlers in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    before = {sig: signal.signal(sig, lambda signum, _frame: caught.append(signum))
+              for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        if caught:
+            handler = before[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)
+            elif handler in (signal.SIG_DFL, None):
+                signal.raise_signal(caught[0])
+
+
 @dataclass
 class _Group:
     """One (shape, backend): its queue key, search driver and progress."""
@@ -272,12 +304,19 @@ class _Sweep:
 
     def stop(self) -> int:
         """Clean stop: end the workers, close asked Optuna trials, and put this sweep's
-        running claims back in the queue. Returns how many were put back."""
+        running claims back in the queue. Returns how many were put back. When the DB
+        fails meanwhile (the disk is full), the claims stay with this dead sweep, and the
+        next sweep takes them over; the error that stopped the sweep is the one reported."""
         self.pool.close()
-        for r in self.runs:
-            for g in r.groups:
-                g.driver.abandon()
-        return self.store.release(self.owner)
+        try:
+            for r in self.runs:
+                for g in r.groups:
+                    g.driver.abandon()
+            return self.store.release(self.owner)
+        except Exception as exc:
+            log.warning("claims of the stopped sweep not put back (the next sweep takes them "
+                        "over): %s", exc)
+            return 0
 
     def results(self) -> list[ShapeResult]:
         return [r.result for r in self.runs if r.result is not None]
@@ -386,22 +425,32 @@ class _Sweep:
 
     def _take(self, g: _Group) -> dict[str, Any] | None:
         """Claim a queued (or abandoned) candidate of `g` while the budget allows; for
-        sampled strategies, ask the sampler for new ones and claim those."""
+        sampled strategies, ask the sampler for new ones and claim those. The budget counts
+        what every sweep on the DB spent on the group (`TuningStore.spent`), checked again
+        in each claim's transaction."""
+        budget, stale = self.options.budget, self.options.stale_after_s
+        if budget is not None:
+            g.driver.note_spent(self.store.spent(g.key, stale_after_s=stale,
+                                                 dead_owners=self.dead))
         if g.driver.has_room():
-            config = self.store.claim(g.key, self.owner,
-                                      stale_after_s=self.options.stale_after_s,
-                                      dead_owners=self.dead)
+            config = self.store.claim(g.key, self.owner, stale_after_s=stale,
+                                      dead_owners=self.dead, budget=budget)
             if config is not None:
                 g.driver.taken(config)  # counts against the budget while it runs
                 return config
         if self.options.strategy is Strategy.GRID:
             return None
         while (proposal := g.driver.ask()) is not None:
-            config = self.store.claim(g.key, self.owner,
-                                      stale_after_s=self.options.stale_after_s,
-                                      dead_owners=self.dead, config=proposal)
+            config = self.store.claim(g.key, self.owner, stale_after_s=stale,
+                                      dead_owners=self.dead, config=proposal, budget=budget)
             if config is not None:
                 return config
+            if budget is not None:
+                spent = self.store.spent(g.key, stale_after_s=stale, dead_owners=self.dead)
+                if spent >= budget:  # other sweeps spent the rest meanwhile
+                    g.driver.note_spent(spent)
+                    g.driver.withdraw(proposal)
+                    return None
             g.driver.measured_elsewhere(proposal)  # another sweep holds it: not a failure
         return None
 
@@ -452,6 +501,13 @@ class _Sweep:
                                   backend.candidates(shape, self.device,
                                                      self.options.pins.get(backend.name)),
                                   self.options.strategy, self.options.budget, measured)
+            if self.options.strategy is not Strategy.GRID:  # the sampler learns from the study
+                # Stored results it lacks (a sweep killed between storing and telling),
+                # except those a live sweep may be telling now.
+                settled = (datetime.now(timezone.utc)
+                           - timedelta(seconds=self.options.stale_after_s))
+                driver.reconcile({k: measured[k] for k, t in prior.items()
+                                  if t.created_at < settled})
             if self.observer:
                 self.observer.backend_started(shape, backend.name, driver.remaining())
             if self.options.strategy is Strategy.GRID:
@@ -529,18 +585,20 @@ class _Sweep:
             phases = " ".join(f"{k} {v:.2f}" for k, v in (outcome.phases or {}).items())
             log.debug("%s %s on %s: %s (%s s)", g.shape.key, g.backend.name,
                       self.pool.label(done.slot), outcome.status, phases)
-        self.store.record_trial(
-            device_id=self.device_id, software_id=self.software_id, shape_key=g.shape.key,
-            shape_json=g.shape.to_json(), kv_format=g.shape.kv_format.value,
-            backend=g.backend.name, source_hash=g.key.source_hash, config=config,
-            status=outcome.status, stats=outcome.stats.to_dict() if outcome.stats else None,
-            max_abs_err=outcome.max_abs_err, mismatch_frac=outcome.mismatch_frac,
-            error=outcome.error, worker=self.pool.label(done.slot))
-        self.new_trials += 1
-        g.running -= 1
-        g.summary.new_trials += 1
         value = outcome.stats.median_us if outcome.stats else None
-        g.driver.tell(config, value)
+        with _signals_held():
+            self.store.record_trial(
+                device_id=self.device_id, software_id=self.software_id,
+                shape_key=g.shape.key, shape_json=g.shape.to_json(),
+                kv_format=g.shape.kv_format.value, backend=g.backend.name,
+                source_hash=g.key.source_hash, config=config, status=outcome.status,
+                stats=outcome.stats.to_dict() if outcome.stats else None,
+                max_abs_err=outcome.max_abs_err, mismatch_frac=outcome.mismatch_frac,
+                error=outcome.error, worker=self.pool.label(done.slot))
+            g.driver.tell(config, value)
+            self.new_trials += 1
+            g.running -= 1
+            g.summary.new_trials += 1
         if value is not None and (g.summary.best_us is None or value < g.summary.best_us):
             g.summary.best_us = value
         if self.observer:

@@ -49,12 +49,13 @@ class SweepProgress:
             self._best[shape.key] = outcome.stats.median_us
             self.console.print(f"  best so far {shape.label()}: {backend} "
                                f"{json.dumps(config, sort_keys=True)} "
-                               f"{outcome.stats.median_us:.1f} µs", highlight=False)
+                               f"{outcome.stats.median_us:.1f} µs", highlight=False,
+                               markup=False, emoji=False)
         elif outcome.status != "ok":
             first = outcome.error.splitlines()[0][:120] if outcome.error else ""
             self.console.print(f"  {outcome.status}: {backend} "
                                f"{json.dumps(config, sort_keys=True)} {first}",
-                               highlight=False, style="dim")
+                               highlight=False, style="dim", markup=False, emoji=False)
         task = self._tasks.get((shape.key, backend))
         if task is not None:
             self.progress.update(task, advance=1, best=self._best_text(shape))
@@ -71,7 +72,7 @@ class SweepProgress:
                            f"{failed}{left}", highlight=False, style="dim")
         for line in summary.failed[:3]:
             self.console.print(f"  compile failed: {line.splitlines()[0][:160]}",
-                               highlight=False, style="dim")
+                               highlight=False, style="dim", markup=False, emoji=False)
 
     def _best_text(self, shape: Shape) -> str:
         best = self._best.get(shape.key)

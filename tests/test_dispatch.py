@@ -1,7 +1,10 @@
 """The dispatcher on CPU, against tuning DBs built by the real sweep (torch family)."""
 
+import json
 import logging
+import sqlite3
 import threading
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 import mla_tune.backends as backends
+import mla_tune.db as mla_db
 import mla_tune.dispatch as dispatch
 from mla_tune.backends import get_backend, register
 from mla_tune.backends.base import Availability, Backend
@@ -25,7 +29,8 @@ from mla_tune.fingerprint import (
 from mla_tune.problem import Shape, generate_input
 from mla_tune.reference import mla_decode_reference
 from mla_tune.space import ParamSpace
-from mla_tune.verify import Tolerance, check
+from mla_tune.verify import Tolerance, check, tolerance_for
+from mla_tune.winners_json import export_winners, import_winners
 from tests.fixtures.sweep_db import swept_db
 
 runner = CliRunner()
@@ -77,6 +82,7 @@ def test_nearest_shape_fallback_logs_once_per_key(disp, tuned_db, caplog):
         d = disp.decide(shape)
         assert d.reason == "nearest" and d.tuned_shape == near
         assert d.config == stored_winner(tuned_db, near).config
+        assert "never verified at this shape" in d.detail
     data = generate_input(Shape.uniform(4, 512))
     for _ in range(3):
         assert_matches_reference(disp.run(data), data)
@@ -143,7 +149,8 @@ def test_occupancy_model_matches_seed_split_model():
     assert occupancy_splits(4, 16, 40, 132) == 1
 
 
-def _record_winner(store, device, software, shape, source_hash=None, config=None):
+def _record_winner(store, device, software, shape, source_hash=None, config=None,
+                   median_us=10.0):
     torch_family = get_backend("torch")
     source = source_hash or torch_family.source_hash()
     config = config or {"num_splits": 4, "chunk_size": 0, "compute_dtype": "float32"}
@@ -151,7 +158,7 @@ def _record_winner(store, device, software, shape, source_hash=None, config=None
     store.record_trial(device_id=dev_id, software_id=sw_id, shape_key=shape.key,
                        shape_json=shape.to_json(), kv_format=shape.kv_format.value,
                        backend="torch", source_hash=source, config=config, status="ok",
-                       stats={"median_us": 10.0})
+                       stats={"median_us": median_us})
     assert store.update_winner(dev_id, sw_id, shape.key, {"torch": source}) is not None
 
 
@@ -225,6 +232,7 @@ def test_corrupt_db_is_a_warning_and_left_untouched(tmp_path, caplog, content):
 def test_missing_db_is_a_warning_and_not_created(tmp_path, caplog, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLA_TUNE_DB", raising=False)
+    monkeypatch.setattr(mla_db, "shipped_db_url", lambda: f"sqlite:///{tmp_path}/gone.db")
     for where in (str(tmp_path / "nowhere.db"), None):
         d = Dispatcher.from_db(where, "cpu")
         assert d.loaded == 0
@@ -283,7 +291,7 @@ def _mutations():
         return (d[0].to("meta"),) + d[1:]
 
     def kv_rows(d):
-        return (d[0], dict(d[1], bf16=d[1]["bf16"][:-1]), *d[2:])
+        return (d[0], dict(d[1], bf16=d[1]["bf16"][:-64]), *d[2:])
 
     def qo_len(d):
         return (d[0], d[1], d[2][:-1], *d[3:])
@@ -369,7 +377,9 @@ def test_format_policy_fastest_tuned_pinned_and_missing(tuned_db):
         pinned.run(only_other)
 
 
-def test_ragged_calls_use_nearest_uniform_variant_built_for_their_lengths(disp):
+def test_ragged_calls_use_nearest_uniform_variant_in_one_bucket_runner(disp):
+    from mla_tune.buckets import router_for
+
     shape = Shape(2, (40, 64))
     data = generate_input(shape)
     assert data[4]["kv_seq_len"] == 64
@@ -377,7 +387,7 @@ def test_ragged_calls_use_nearest_uniform_variant_built_for_their_lengths(disp):
     assert d.reason == "nearest" and d.tuned_shape == TUNED[0]
     assert_matches_reference(disp.run(data, kv_lens=[40, 64]), data)
     assert_matches_reference(disp(*data, kv_lens=(40, 64)), data)
-    assert len(disp._ragged) == 1
+    assert router_for(disp).builds == 1
     uniform = generate_input(TUNED[0])
     assert_matches_reference(disp.run(uniform, kv_lens=[64, 64]), uniform)
     with pytest.raises(ValueError, match="kv_lens has 3 lengths"):
@@ -440,3 +450,180 @@ def test_winners_stored_under_the_bytes_hash_of_the_installed_sources_are_used(t
     d = Dispatcher.from_db(str(db), "cpu")
     assert d.loaded == 1 and d.ignored == {}
     assert d.decide(shape).reason == "exact"
+
+
+def test_default_db_layers_the_local_db_over_the_shipped_winners(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLA_TUNE_DB", raising=False)
+    cpu, sw = current_device("cpu"), current_software()
+    a, b = Shape.uniform(4, 256), Shape.uniform(2, 64)
+    shipped = tmp_path / "pkg" / "shipped.db"
+    shipped.parent.mkdir()
+    with TuningStore(str(shipped)) as store:
+        _record_winner(store, cpu, sw, a, median_us=20.0)
+        _record_winner(store, cpu, sw, b, median_us=5.0)
+    monkeypatch.setattr(mla_db, "shipped_db_url", lambda: f"sqlite:///{shipped}")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    only_shipped = Dispatcher.from_db(None, "cpu")  # no ./tuning.db here: nothing created
+    assert only_shipped.loaded == 2 and not list(work.iterdir())
+    assert only_shipped.decide(a).tuned_us == 20.0
+    with TuningStore(str(work / "tuning.db")) as store:  # the user's own, faster at `a`
+        _record_winner(store, cpu, sw, a, median_us=8.0,
+                       config={"num_splits": 1, "chunk_size": 0, "compute_dtype": "float32"})
+        _record_winner(store, cpu, sw, b, median_us=9.0,
+                       config={"num_splits": 1, "chunk_size": 0, "compute_dtype": "float32"})
+    layered = Dispatcher.from_db(None, "cpu")
+    assert layered.loaded == 2 and "shipped.db" in layered.origin
+    assert (layered.decide(a).tuned_us, layered.decide(a).config["num_splits"]) == (8.0, 1)
+    assert (layered.decide(b).tuned_us, layered.decide(b).config["num_splits"]) == (5.0, 4)
+    monkeypatch.setenv("MLA_TUNE_DB", str(work / "tuning.db"))  # named: that DB alone
+    assert Dispatcher.from_db(None, "cpu").decide(b).tuned_us == 9.0
+
+
+def test_default_db_finds_the_shipped_results_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLA_TUNE_DB", raising=False)
+    monkeypatch.chdir(tmp_path)
+    d = Dispatcher.from_db(None, "cpu")
+    assert d.ignored.get("tuned on another device", 0) > 0  # the H200 winners, read
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("column, value", [
+    ("config_json", "{"), ("config_json", "null"), ("config_json", "[" * 5000 + "]" * 5000),
+    ("config_json", '{"num_splits": ' + "9" * 5001 + "}"), ("shape_json", "{}"),
+    ("median_us", "fast"),
+])
+def test_one_undecodable_winner_row_is_skipped_not_the_table(tmp_path, caplog, column, value):
+    db = tmp_path / "one_bad.db"
+    good, bad = Shape.uniform(4, 256), Shape.uniform(2, 64)
+    with TuningStore(str(db)) as store:
+        for shape in (good, bad):
+            _record_winner(store, current_device("cpu"), current_software(), shape)
+    with closing(sqlite3.connect(db)) as con, con:
+        con.execute(f"UPDATE mt_winners SET {column} = ? WHERE shape_key = ?",
+                    (value, bad.key))
+    d = Dispatcher.from_db(str(db), "cpu")
+    assert d.loaded == 1 and d.decide(good).reason == "exact"
+    assert d.decide(bad).reason != "exact"
+    assert any("skipping" in r.message and bad.key in r.message for r in caplog.records)
+
+
+def _verdict_db(path, winners, checked):
+    """A DB as a sweep leaves it: torch winners `winners` {shape: config}, and at each of
+    `checked` the project's bf16 gate's real verdict on every bf16-compute candidate (all
+    wrong there, so those shapes have no winner)."""
+    cpu = torch.device("cpu")
+    torch_family = get_backend("torch")
+    source = torch_family.source_hash()
+    with TuningStore(str(path)) as store:
+        dev, sw = store.device_id(current_device("cpu")), store.software_id(current_software())
+        for shape, configs in [(s, [c]) for s, c in winners.items()] + [
+                (s, [c for c in torch_family.candidates(s, cpu)
+                     if c["compute_dtype"] == "bfloat16"]) for s in checked]:
+            data = generate_input(shape)
+            ref = mla_decode_reference(*data, kv_format="bf16")
+            for config in configs:
+                verdict = check(torch_family.build(shape, config, cpu)(data), ref,
+                                tolerance_for("bf16"))
+                store.record_trial(device_id=dev, software_id=sw, shape_key=shape.key,
+                                   shape_json=shape.to_json(), kv_format="bf16",
+                                   backend="torch", source_hash=source, config=config,
+                                   status="ok" if verdict.ok else "wrong",
+                                   stats={"median_us": 10.0} if verdict.ok else None)
+            store.update_winner(dev, sw, shape.key, {"torch": source})
+
+
+BF16_COMPUTE = {"num_splits": 1, "chunk_size": 0, "compute_dtype": "bfloat16"}
+CALLS_STORED_WRONG = [Shape.uniform(16, 32), Shape.uniform(9, 40), Shape.uniform(6, 64)]
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verdicts")
+    _verdict_db(root / "v.db", {Shape.uniform(4, 256): BF16_COMPUTE,
+                                Shape.uniform(8, 128): BF16_COMPUTE}, CALLS_STORED_WRONG)
+    with TuningStore(str(root / "v.db")) as store:
+        export_winners(store, root / "v.json")
+        wrong = {t.shape_key for t in store.trials(status="wrong")}
+    assert wrong == {s.key for s in CALLS_STORED_WRONG}  # the gate fails there, for real
+    return root / "v.db", root / "v.json"
+
+
+@pytest.mark.parametrize("source", ["db", "json"])
+def test_nearest_fallback_never_runs_a_variant_stored_wrong_for_the_shape(verdicts, source,
+                                                                          caplog):
+    db, path = verdicts
+    d = (Dispatcher.from_db(str(db), "cpu", kv_format="bf16") if source == "db"
+         else Dispatcher.from_json(path, "cpu", kv_format="bf16"))
+    assert d.loaded == 2 and d.decide(Shape.uniform(4, 256)).config == BF16_COMPUTE
+    for shape in CALLS_STORED_WRONG + [Shape.uniform(12, 48)]:  # last: wrong in its family
+        chain = d.decisions(shape)
+        assert all(x.config["compute_dtype"] != "bfloat16" for x in chain), shape.label()
+        data = generate_input(shape)
+        result = check(d.run(data), mla_decode_reference(*data), tolerance_for("bf16"))
+        assert result.ok, (shape.label(), result.reason)
+    # Wrong elsewhere in its family: suspect, so the heuristic routes unchecked shapes.
+    far = d.decide(Shape.uniform(4, 512))
+    assert far.reason == "heuristic" and far.config["compute_dtype"] != "bfloat16"
+
+
+def test_a_winners_file_of_version_1_still_loads_without_verification_facts(verdicts,
+                                                                             tmp_path):
+    _, path = verdicts
+    doc = json.loads(path.read_text())
+    assert doc["version"] == 2 and any(w["verified_wrong"] for w in doc["winners"])
+    doc["version"] = 1
+    for w in doc["winners"]:
+        del w["verified_ok"], w["verified_wrong"]
+    old = tmp_path / "v1.json"
+    old.write_text(json.dumps(doc))
+    d = Dispatcher.from_json(old, "cpu", kv_format="bf16")
+    assert d.loaded == 2 and d.decide(CALLS_STORED_WRONG[0]).reason == "nearest"
+
+
+def test_a_huge_config_batch_fails_fast_before_anything_is_built(monkeypatch):
+    d = Dispatcher(device="cpu", kv_format="bf16")
+    data = generate_input(Shape.uniform(4, 64))
+    monkeypatch.setattr(Shape, "uniform", None)  # building a Shape from it would fail
+    with pytest.raises(ValueError, match=r"q has shape \(4, 16, 576\); config batch_size "
+                       "100000000"):
+        d.run((*data[:4], dict(data[4], batch_size=10**8)))
+
+
+@pytest.mark.parametrize("check_inputs", [True, False])
+@pytest.mark.parametrize("field, value, message", [
+    ("v_head_dim", 128, r"config\['v_head_dim'\] is 128"),
+    ("sm_scale", 0.5, r"config\['sm_scale'\] is 0.5"),
+    ("sm_scale", None, "config lacks 'sm_scale'"),
+    ("num_kv_heads", None, "config lacks 'num_kv_heads'"),
+])
+def test_every_checking_call_refuses_what_a_first_call_refuses(field, value, message,
+                                                              check_inputs):
+    data = generate_input(Shape.uniform(2, 64))
+    bad = dict(data[4])
+    if value is None:
+        del bad[field]
+    else:
+        bad[field] = value
+    fresh = Dispatcher(device="cpu", kv_format="bf16", check_inputs=check_inputs)
+    with pytest.raises(ValueError, match=message):
+        fresh.run((*data[:4], bad))
+    warm = Dispatcher(device="cpu", kv_format="bf16", check_inputs=check_inputs)
+    warm.run(data)
+    if check_inputs:
+        with pytest.raises(ValueError, match=message):
+            warm.run((*data[:4], bad))
+    same = dict(data[4], sm_scale=data[4]["sm_scale"] * (1 + 1e-12))  # the task's, rounded
+    assert_matches_reference(warm.run((*data[:4], same)), data)
+
+
+def test_an_imported_winners_file_keeps_where_its_configs_were_stored_wrong(verdicts,
+                                                                            tmp_path):
+    _, path = verdicts
+    with TuningStore(str(tmp_path / "imported.db")) as store:
+        import_winners(store, path)
+        assert {t.shape_key for t in store.trials(status="wrong")} == {
+            s.key for s in CALLS_STORED_WRONG}
+    d = Dispatcher.from_db(str(tmp_path / "imported.db"), "cpu", kv_format="bf16")
+    assert all(x.config != BF16_COMPUTE for s in CALLS_STORED_WRONG for x in d.decisions(s))

@@ -1,5 +1,5 @@
 """An installed (non-editable) mla-tune must carry its data: spaces, suites, tolerances,
-migrations and the shipped winners table."""
+migrations, the shipped winners table and the shipped H200 tuning DB."""
 
 import subprocess
 import sys
@@ -17,6 +17,8 @@ def test_wheel_contains_data_files(tmp_path):
     for config in (ROOT / "configs").rglob("*.toml"):
         assert config.relative_to(ROOT).as_posix() in names
     assert "mla_tune/winners.json" in names
+    assert "mla_tune/shipped/tuning.db" in names and "mla_tune/shipped/__init__.py" in names
     assert "mla_tune/db/migrations/env.py" in names
     assert any(n.startswith("mla_tune/db/migrations/versions/0002") for n in names)
     assert "kernels/triton/mla_decode.py" in names
+    assert "kernels/cuda/mla_decode.cu" in names

@@ -40,6 +40,9 @@ def test_plan_keeps_current_and_newest_sources_and_what_winners_name() -> None:
         ("triton", "old", 10, ["s-old"])]
 
 
+OLD = "0000000000000001"  # an old source's hash (hex, as stored hashes are)
+
+
 def _db(path) -> tuple[str, dict[str, str]]:
     """A DB with trials and studies of an old, the current and a foreign triton source,
     and a winner on the old one."""
@@ -48,7 +51,7 @@ def _db(path) -> tuple[str, dict[str, str]]:
     dev, sw = store.device_id(GPU), store.software_id(STACK)
     names = {}
     storage = store.optuna_storage()
-    for source, median in (("old", 5.0), (current, 7.0)):
+    for source, median in ((OLD, 5.0), (current, 7.0)):
         for i in range(3):
             store.record_trial(device_id=dev, software_id=sw, shape_key=SHAPE_KEY,
                                shape_json=SHAPE, kv_format="bf16", backend="triton",
@@ -58,7 +61,7 @@ def _db(path) -> tuple[str, dict[str, str]]:
         study = optuna.create_study(storage=storage, study_name=names[source])
         study.add_trial(optuna.trial.create_trial(value=median))
     optuna.create_study(storage=storage, study_name="not-ours")
-    store.update_winner(dev, sw, SHAPE_KEY, {"triton": "old"})
+    store.update_winner(dev, sw, SHAPE_KEY, {"triton": OLD})
     store.close()
     return current, names
 
@@ -69,7 +72,7 @@ def test_cli_lists_then_deletes_retired_sources_only(tmp_path) -> None:
 
     dry = runner.invoke(app, ["prune", "--db", str(path)])
     assert dry.exit_code == 0, dry.output
-    assert "old" in dry.output and "nothing deleted" in dry.output
+    assert OLD[:12] in dry.output and "nothing deleted" in dry.output
     with TuningStore(str(path), read_only=True) as ro:
         assert len(ro.trials()) == 6
 
@@ -78,9 +81,9 @@ def test_cli_lists_then_deletes_retired_sources_only(tmp_path) -> None:
     assert "deleted 2 trials" in done.output and "1 studies" in done.output
     with TuningStore(str(path)) as store:
         left = sorted((t.source_hash, t.config["i"]) for t in store.trials())
-        assert left == [(current, 0), (current, 1), (current, 2), ("old", 0)]
+        assert left == sorted([(current, 0), (current, 1), (current, 2), (OLD, 0)])
         (winner,) = store.winners()
-        assert (winner.source_hash, winner.config) == ("old", {"i": 0})
+        assert (winner.source_hash, winner.config) == (OLD, {"i": 0})
         studies = {s.study_name for s in store.optuna_storage().get_all_studies()}
     assert studies == {names[current], "not-ours"}
 
@@ -115,7 +118,7 @@ def test_doctor_points_at_prune_when_retired_trials_are_stored(tmp_path) -> None
     _db(path)  # 3 trials of "old": one named by a winner, so 2 are prunable
     with TuningStore(str(path)) as store:  # a newer source measured last keeps "old" retired
         store.record_trial(device_id=1, software_id=1, shape_key=SHAPE_KEY, shape_json=SHAPE,
-                           kv_format="bf16", backend="triton", source_hash="newest",
+                           kv_format="bf16", backend="triton", source_hash="00000000000000ff",
                            config={"i": 0}, status="ok", stats={"median_us": 1.0})
     r = runner.invoke(app, ["doctor", "--db", str(path), "--device", "cpu"])
     assert r.exit_code == 0, r.output

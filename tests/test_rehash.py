@@ -84,3 +84,18 @@ def test_cli_refuses_a_missing_db_and_creates_nothing(tmp_path) -> None:
     r = runner.invoke(app, ["rehash", "--db", str(path), "--yes"])
     assert r.exit_code != 0 and "no tuning DB" in r.output
     assert not path.exists()
+
+
+def test_messages_stay_whole_at_any_width_and_path_length(tmp_path, monkeypatch) -> None:
+    from mla_tune import cli
+
+    deep = tmp_path.joinpath(*["a-long-directory-name"] * 8)
+    deep.mkdir(parents=True)
+    path = deep / "t.db"
+    _db(path)
+    for console in (cli.console, cli.out):
+        monkeypatch.setattr(console, "_width", 30)
+    refused = runner.invoke(app, ["prune", "--db", str(path), "--yes"])
+    assert refused.exit_code != 0
+    assert "run `mla-tune rehash --yes` first" in refused.output
+    assert str(path) in refused.output

@@ -75,7 +75,8 @@ def test_html_is_self_contained_with_inline_svg_charts(store):
     assert names.count("svg") == 1 + len(rows) * 2  # roofline + (num_splits, chunk_size)
     for tag, attrs in tags:
         assert tag not in ("script", "link", "img", "iframe", "object", "embed", "video")
-        assert not {"src", "href", "xlink:href", "srcset", "action"} & set(attrs), (tag, attrs)
+        assert not {"src", "xlink:href", "srcset", "action"} & set(attrs), (tag, attrs)
+        assert attrs.get("href", "#").startswith("#"), attrs  # links within the page only
     assert not re.search(r"https?:|url\(|@import", text, re.IGNORECASE)
     csp = [a for t, a in tags if t == "meta" and a.get("http-equiv") == "Content-Security-Policy"]
     assert csp and "default-src 'none'" in csp[0]["content"]
@@ -135,3 +136,39 @@ def test_png_without_matplotlib_says_how_to_install(store, tmp_path, monkeypatch
     assert not (tmp_path / "png").exists()
     r = runner.invoke(app, ["report", "--db", _db_arg(store), "--html", str(tmp_path)])
     assert r.exit_code == 2 and "directory" in r.output
+
+
+def test_contents_at_the_top_link_every_section_and_shape(store):
+    rows = report_rows(store)
+    text = render_html(store, rows)
+    tags = _tags(text)
+    ids = {a["id"] for _, a in tags if "id" in a}
+    links = [a["href"][1:] for t, a in tags if t == "a"]
+    assert text.index("<nav>") < text.index('id="devices"')
+    assert {"devices", "geomeans", "roofline", "winners", "knobs"} <= set(links)
+    assert len(links) == 5 + len(rows) and set(links) <= ids
+
+
+def test_chart_ticks_enclose_the_data_and_the_axis_its_ticks():
+    """Knob charts once had points at 1,100-1,250 µs under a top tick of 1000."""
+    from mla_tune.report_html import _Scale
+
+    for values, log in [([1100.0, 1250.0], True), ([14.1, 45.6], True), ([14.1, 15.5], True),
+                        ([79.1, 4398.5], True), ([1.3, 2415.9], True), ([0.02, 0.05], True),
+                        ([3.0, 3.0], True), ([-5.0, 17.0], False), ([0.0, 0.0], False),
+                        ([1e-4, 9e6], True)]:
+        scale = _Scale(values, log, 0.0, 1.0)
+        assert scale.ticks[0] <= min(values) and scale.ticks[-1] >= max(values), values
+        assert 2 <= len(scale.ticks) <= 12, (values, scale.ticks)
+        assert scale.lo < scale.ticks[0] and scale.hi > scale.ticks[-1]
+        assert all(0.0 < scale(t) < 1.0 for t in scale.ticks)
+
+
+def test_winners_table_scrolls_and_wraps_its_configs_in_a_narrow_window(store):
+    rows = report_rows(store)
+    text = render_html(store, rows)
+    winners = text[text.index('id="winners"'):text.index('id="knobs"')]
+    assert winners.count('<div class="scroll"><table>') == 1
+    assert ".scroll{max-width:100%;overflow-x:auto}" in text
+    assert re.search(r"td\.cfg\{[^}]*max-width:30em;overflow-wrap:anywhere", text)
+    assert winners.count('<td class="cfg"><code>') == len(rows)

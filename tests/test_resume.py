@@ -143,6 +143,26 @@ def test_ctrl_c_stops_cleanly_and_a_rerun_finishes(tmp_path):
     assert not set(again) & first
 
 
+def test_ctrl_c_pressed_again_while_stopping_changes_nothing(tmp_path):
+    """A second Ctrl-C soon after the first (here 0 to 0.2 s later) is ignored: the clean
+    stop finishes, quietly, with the same message and exit code as after one."""
+    gaps = (0.0, 0.01, 0.05, 0.2)
+    paths = [tmp_path / f"t{i}.db" for i in range(len(gaps))]
+    procs = [_start(_cmd(str(p)), _env(tmp_path / f"{i}.log")) for i, p in enumerate(paths)]
+    for proc, path, gap in zip(procs, paths, gaps):
+        _wait_mid_sweep(proc, path, trials=1)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(gap)
+        os.killpg(proc.pid, signal.SIGINT)
+    for proc, path, gap in zip(procs, paths, gaps):
+        _out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, (gap, err)
+        said = " ".join(err.split())
+        assert "went back to the queue. Run the same command again to finish." in said, (gap, err)
+        assert "Traceback" not in err and "Exception" not in err, (gap, err)
+        assert _counts(path)[1] == 0  # its claims went back to the queue
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def shared_db(request, tmp_path):
     if request.param == "sqlite":

@@ -120,3 +120,36 @@ def test_configs_taken_from_the_queue_count_against_the_budget():
     for c in [*queued, asked]:
         d.tell(c, _cost(c))
     assert len(d.measured) == 3 and d.ask() is None
+
+
+def test_reconcile_tells_the_study_the_stored_results_it_lacks():
+    """A sweep killed between storing a trial and telling Optuna left the study short: the
+    stored results are told once, and told results, foreign points and other sweeps'
+    proposals are left as they are."""
+    grid = list(SPACE.grid())
+    d, study = _driver(Strategy.TPE)
+    first = d.ask()
+    d.tell(first, 7.0)  # told: COMPLETE
+    held = d.ask()
+    d.measured_elsewhere(held)  # FAIL, marked: not a result of its own
+    failed = next(c for c in grid if c not in (first, held))
+    stored = {config_key(first): 7.0, config_key(held): 3.0, config_key(failed): None,
+              config_key({"bn": 128, "splits": 1}): 2.0}  # not a point of this space
+    assert d.reconcile(stored) == 2
+    by_key = {}
+    for t in study.trials:
+        by_key.setdefault(config_key(t.params), []).append((t.state.name, t.value))
+    assert by_key[config_key(first)] == [("COMPLETE", 7.0)]
+    assert sorted(by_key[config_key(held)], key=str) == [("COMPLETE", 3.0), ("FAIL", None)]
+    assert by_key[config_key(failed)] == [("FAIL", None)]
+    again = SearchDriver(study, SPACE, grid, Strategy.TPE, None, stored)
+    assert again.reconcile(stored) == 0 and len(study.trials) == 4
+
+
+def test_the_budget_counts_what_other_sweeps_spent():
+    d, _ = _driver(Strategy.TPE, budget=4)
+    assert d.ask() is not None and d.remaining() == 3
+    d.note_spent(3)  # this driver's one, and two of other sweeps
+    assert d.has_room() and d.remaining() == 1
+    d.note_spent(4)
+    assert not d.has_room() and d.ask() is None

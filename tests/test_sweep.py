@@ -1,14 +1,24 @@
+import os
+import signal
+import sqlite3
+from contextlib import closing
+
 import optuna
 import pytest
 import torch
+from sqlalchemy import Engine, event
+from sqlalchemy.orm import Session
+from typer.testing import CliRunner
 
 from mla_tune.backends import get_backend, register
+from mla_tune.cli import app
 from mla_tune.db import TuningStore
 from mla_tune.problem import Shape
 from mla_tune.search import Strategy
 from mla_tune.space import config_key
-from mla_tune.sweep import SweepOptions, run_sweep
+from mla_tune.sweep import SweepInterrupted, SweepOptions, run_sweep
 from mla_tune.timing import TimingPolicy
+from tests.db.faults import disk_full_after, fill, integrity, overwrite_pages, truncate
 
 FAST = TimingPolicy(warmup=1, min_runs=3, max_runs=5, budget_s=0.05)
 
@@ -300,3 +310,166 @@ def test_a_finalist_wrong_when_timed_again_cannot_win(store, tmp_path, monkeypat
     flag.unlink()  # even when it would pass again, a later sweep does not pick it
     (again,) = run_sweep([shape], [flaky], store, SweepOptions(policy=FAST, baselines=False))
     assert again.winner.config["delay_ms"] == 2
+
+
+# ------------------------------------------------------------ the sweep command on a bad DB
+runner = CliRunner()
+CLI_FAST = ["--device", "cpu", "--backend", "torch", "--no-baseline", "-f", "bf16",
+            "--runoff", "0", "--time-budget", "0.01"]
+
+
+def _said(result):
+    """The command's output with line breaks undone (rich wraps at the terminal width)."""
+    return " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("damage", [truncate, lambda p: overwrite_pages(p, first=12)],
+                         ids=["truncated", "garbage-pages"])
+def test_sweep_on_a_damaged_db_exits_2_and_leaves_it_as_it_was(tmp_path, damage):
+    db = tmp_path / "tuning.db"
+    fill(db)
+    damage(db)
+    payload = db.read_bytes()
+    r = runner.invoke(app, ["sweep", "--db", str(db), "--shape", "2x32", *CLI_FAST])
+    assert r.exit_code == 2, r.output
+    assert "is damaged" in _said(r) and ".recover" in _said(r) and "Traceback" not in r.output
+    assert db.read_bytes() == payload
+
+
+def test_a_full_disk_stops_the_sweep_with_exit_2_and_the_same_command_finishes(store, tmp_path):
+    db, key = tmp_path / "tuning.db", "b2-q1-kv8-h16-bf16-p1"
+    toy = ["--device", "cpu", "--backend", "toy", "--no-baseline", "-f", "bf16", "--runoff", "0",
+           "--time-budget", "0.01"]
+    # The DB, its device, stack and Optuna tables exist before the disk fills up.
+    first = runner.invoke(app, ["sweep", "--db", str(db), "--shape", "2x4", *toy])
+    assert first.exit_code == 0, first.output
+    with closing(sqlite3.connect(db)) as conn:
+        conn.execute("VACUUM")  # no free pages left: the first row that needs one fails
+    args = ["sweep", "--db", str(db), "--shape", "2x8", *toy]
+    with disk_full_after(pages=0):
+        r = runner.invoke(app, args)
+    assert r.exit_code == 2, r.output
+    assert "is full" in _said(r) and "Nothing stored was lost" in _said(r)
+    assert "Traceback" not in r.output and integrity(db) == ["ok"]
+    with TuningStore(str(db)) as s:
+        before = [t.config_key for t in s.trials(shape_key=key)]
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.output
+    with TuningStore(str(db)) as s:
+        after = [t.config_key for t in s.trials(shape_key=key)]
+        assert s.winners(shape_key=key)
+    assert len(after) == len(set(after)) == 12 and set(before) < set(after)
+
+
+# ------------------------------------------------------------ sweeps sharing a DB and a study
+def _study(store):
+    storage = store.optuna_storage()
+    (summary,) = optuna.get_all_study_summaries(storage)
+    return optuna.load_study(study_name=summary.study_name, storage=storage)
+
+
+def _complete(study):
+    return {config_key(t.params): t.value for t in study.trials
+            if t.state == optuna.trial.TrialState.COMPLETE}
+
+
+def test_a_stop_landing_right_after_a_trial_is_stored_still_tells_the_study(store):
+    """Ctrl-C arrives the moment a trial's transaction commits: the sweep stops after
+    telling Optuna that trial, so the study holds every stored time."""
+    shape = Shape.uniform(1, 8)
+    inserted = []
+
+    def note(conn, cursor, statement, *args):
+        if statement.startswith("INSERT INTO mt_trials"):
+            inserted.append(True)
+
+    def interrupt(session):
+        if len(inserted) == 2:  # the second trial is stored now
+            inserted.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    event.listen(Engine, "after_cursor_execute", note)
+    event.listen(Session, "after_commit", interrupt)
+    try:
+        with pytest.raises(SweepInterrupted) as stop:
+            run_sweep([shape], [get_backend("toy")], store,
+                      SweepOptions(policy=FAST, baselines=False, strategy=Strategy.TPE,
+                                   budget=6))
+    finally:
+        event.remove(Engine, "after_cursor_execute", note)
+        event.remove(Session, "after_commit", interrupt)
+    trials = store.trials(shape_key=shape.key)
+    assert len(trials) == stop.value.new_trials == 2
+    assert {t.config_key: t.median_us for t in trials if t.status == "ok"}.items() \
+        <= _complete(_study(store)).items()
+    assert {t.config_key for t in trials} <= {config_key(t.params) for t in _study(store).trials
+                                              if t.state.is_finished()}
+
+
+def test_a_stored_trial_the_study_lacks_is_told_when_its_group_opens(store):
+    """A sweep killed (SIGKILL) between storing a trial and telling Optuna: the next sweep
+    of the group tells the study, once the trial is older than a live sweep's window."""
+    shape = Shape.uniform(1, 8)
+    toy = get_backend("toy")
+    opts = SweepOptions(policy=FAST, baselines=False, strategy=Strategy.TPE, budget=2)
+    run_sweep([shape], [toy], store, opts)
+    group = _group_of(store, shape)
+    told = _complete(_study(store))
+    lost = next(c for c in toy.candidates(shape, torch.device("cpu"))
+                if c["mode"] == "ok" and config_key(c) not in told)
+    store.record_trial(device_id=group.device_id, software_id=group.software_id,
+                       shape_key=shape.key, shape_json=shape.to_json(), kv_format="bf16",
+                       backend="toy", source_hash=group.source_hash, config=lost, status="ok",
+                       stats={"median_us": 123.0})
+    run_sweep([shape], [toy], store, opts)  # a trial stored just now is a live sweep's
+    assert config_key(lost) not in _complete(_study(store))
+    with closing(sqlite3.connect(store.url.removeprefix("sqlite:///"))) as conn, conn:
+        conn.execute("UPDATE mt_trials SET created_at = datetime('now', '-1 hour')")
+    run_sweep([shape], [toy], store, opts)
+    study = _study(store)
+    assert _complete(study)[config_key(lost)] == 123.0
+    assert sum(config_key(t.params) == config_key(lost) for t in study.trials) == 1
+    assert len(store.trials(shape_key=shape.key)) == 3  # nothing measured beyond the budget
+
+
+def test_the_budget_is_shared_with_a_sweep_measuring_the_same_group(store):
+    """Another live sweep holds one candidate of the group while this one runs with
+    --budget 2: together they measure 2 configs, not 2 each."""
+    from mla_tune.backends import library_versions
+    from mla_tune.db import TrialGroup
+    from mla_tune.fingerprint import current_device, current_software
+
+    shape = Shape.uniform(1, 8)
+    toy = get_backend("toy")
+    theirs = {"delay_ms": 4, "mode": "ok"}
+    dev = torch.device("cpu")
+
+    class OtherSweep:
+        """Claims `theirs` as the group opens, and stores it after this sweep's first
+        result, as a sweep on another machine would."""
+
+        group = None
+
+        def shape_started(self, *a): ...
+        def shape_done(self, *a): ...
+
+        def backend_started(self, shape, backend, todo):
+            self.group = TrialGroup(store.device_id(current_device(dev)),
+                                    store.software_id(current_software(library_versions(dev))),
+                                    shape.key, backend, toy.source_hash())
+            assert store.claim(self.group, "elsewhere/boot/1", stale_after_s=60, config=theirs)
+
+        def trial_done(self, shape, backend, config, outcome, best):
+            if store.claims(self.group):
+                g = self.group
+                store.record_trial(device_id=g.device_id, software_id=g.software_id,
+                                   shape_key=g.shape_key, shape_json=shape.to_json(),
+                                   kv_format="bf16", backend="toy", source_hash=g.source_hash,
+                                   config=theirs, status="ok", stats={"median_us": 4000.0},
+                                   worker="elsewhere")
+
+    run_sweep([shape], [toy], store,
+              SweepOptions(policy=FAST, baselines=False, strategy=Strategy.TPE, budget=2),
+              OtherSweep())
+    trials = store.trials(shape_key=shape.key)
+    assert len(trials) == 2 and theirs in [t.config for t in trials]

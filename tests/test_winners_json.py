@@ -3,9 +3,17 @@ reading a file exactly as it reads the DB."""
 
 import json
 import logging
+import os
+import threading
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+import mla_tune.winners_json as winners_json
+
+from mla_tune.cli import app
 from mla_tune.db import TuningStore
 from mla_tune.dispatch import Dispatcher
 from mla_tune.fingerprint import current_device
@@ -17,6 +25,7 @@ from mla_tune.winners_json import (
     import_winners,
     load_winners_json,
     parse_winners,
+    records_from_store,
 )
 from tests.fixtures.sweep_db import swept_db
 
@@ -37,11 +46,15 @@ def tuned(tmp_path_factory):
 def test_round_trip_db_to_file_to_records(tuned):
     db, path = tuned
     doc = json.loads(path.read_text())
-    assert (doc["format"], doc["version"], len(doc["winners"])) == ("mla-tune-winners", 1, 3)
+    assert (doc["format"], doc["version"], len(doc["winners"])) == ("mla-tune-winners", 2, 3)
     records = load_winners_json(path)
     with TuningStore(str(db)) as store:
+        assert records == records_from_store(store)
         rows = store.winners()
-    assert records == [WinnerRecord.from_row(r) for r in rows]
+    assert [replace(r, verified_ok=(), verified_wrong=()) for r in records] == \
+        [WinnerRecord.from_row(r) for r in rows]
+    # Each winner was verified at its own shape by the sweep that made it the winner.
+    assert all(r.shape in r.verified_ok for r in records)
     assert parse_winners(json.loads(json.dumps(doc))) == records
     here = current_device("cpu").hash
     with TuningStore(str(db)) as store:
@@ -95,7 +108,7 @@ def _corrupt(doc, how):
     elif how == "wrong format":
         doc["format"] = "something-else"
     elif how == "future version":
-        doc["version"] = 2
+        doc["version"] = 3
     elif how == "shape key mismatch":
         w["shape_key"] = "b9-q1-kv9-h16-bf16-p1"
     elif how == "nested config value":
@@ -191,3 +204,74 @@ def test_imported_winner_under_the_bytes_hash_of_installed_sources_is_stored_cur
         assert (summary.trials, summary.won, summary.not_current) == (3, 3, 0)
         assert {t.source_hash for t in store.trials(backend=w["backend"])} == {
             backend.source_hash()}
+
+
+def _special_file(tmp_path, kind):
+    """A path that is no plain JSON file: a FIFO nobody writes to, /dev/zero, a
+    directory, or a regular file whose JSON nests 100,000 deep / holds 5001-digit ints."""
+    p = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(p)
+    elif kind == "dev-zero":
+        return Path("/dev/zero")
+    elif kind == "directory":
+        p.mkdir()
+    elif kind == "deeply nested":
+        p.write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "huge integer":
+        p.write_text('{"format": "mla-tune-winners", "version": ' + "9" * 5001 +
+                     ', "winners": []}')
+    elif kind == "over the size cap":
+        with p.open("wb") as f:
+            f.truncate(winners_json.MAX_FILE_BYTES + 1)
+    return p
+
+
+SPECIAL = ["fifo", "dev-zero", "directory", "deeply nested", "huge integer",
+           "over the size cap"]
+
+
+def _in_thread(fn):
+    """Run `fn` with a deadline, so a reader that blocks fails the test instead of hanging."""
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the reader blocked"
+    return box
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo") or not Path("/dev/zero").exists(),
+                    reason="needs POSIX FIFOs and /dev/zero")
+@pytest.mark.parametrize("kind", SPECIAL)
+def test_special_files_and_hostile_json_are_refused_quickly(tmp_path, kind, caplog):
+    p = _special_file(tmp_path, kind)
+    box = _in_thread(lambda: load_winners_json(p))
+    assert isinstance(box.get("error"), WinnersFileError), box
+    box = _in_thread(lambda: Dispatcher.from_json(p, "cpu"))
+    assert box["value"].loaded == 0
+    assert any("unusable" in r.message for r in caplog.records)
+    box = _in_thread(lambda: CliRunner().invoke(app, ["import", str(p), "--db",
+                                                      str(tmp_path / "t.db")]))
+    r = box["value"]
+    assert r.exit_code == 2 and "cannot import" in r.output, r.output
+    assert not (tmp_path / "t.db").exists()
+
+
+@pytest.mark.parametrize("field, value", [("median_us", 10**400),
+                                          ("config", {"num_splits": 10**400})])
+def test_huge_integers_in_an_entry_are_refused(tuned, tmp_path, field, value):
+    _, path = tuned
+    doc = json.loads(path.read_text())
+    doc["winners"][0][field] = value
+    bad = tmp_path / "big.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(WinnersFileError, match=field):
+        load_winners_json(bad)

@@ -11,8 +11,11 @@ from mla_tune.db.store import (
     TrialRow,
     TuningStore,
     WinnerRow,
+    db_failure,
     resolve_url,
+    shipped_db_url,
 )
 
 __all__ = ["ClaimRow", "DBError", "DeletedRows", "DeviceRow", "RenamedRows", "SourceRow",
-           "TrialGroup", "TrialRow", "TuningStore", "WinnerRow", "resolve_url"]
+           "TrialGroup", "TrialRow", "TuningStore", "WinnerRow", "db_failure", "resolve_url",
+           "shipped_db_url"]

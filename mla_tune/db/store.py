@@ -12,6 +12,7 @@ import enum
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import sqlite3
@@ -51,7 +52,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.orm import Session, aliased
 from sqlalchemy.pool import NullPool
 
@@ -73,6 +74,8 @@ if TYPE_CHECKING:
 
 ENV_VAR = "MLA_TUNE_DB"
 DEFAULT_URL = "sqlite:///tuning.db"
+# `--db shipped`: the tuning results shipped with mla-tune, read-only (see shipped_db_url).
+SHIPPED = "shipped"
 SQLITE_HEADER = b"SQLite format 3\x00"
 BUSY_TIMEOUT_S = 30
 # A read-only opener never waits on a writer under WAL; this only bounds odd cases (a DB
@@ -86,6 +89,15 @@ _GROUP_KEY = ("device_id", "software_id", "shape_key", "backend", "source_hash")
 # Optuna creates its tables without a lock; a process racing another on a fresh DB fails
 # with "already exists" (or a lock error) and succeeds when it tries again.
 _OPTUNA_OPEN_ATTEMPTS = 5
+log = logging.getLogger(__name__)
+# What a read takes from one row (reports, the dispatcher). A config or a software record
+# is well under a KiB; a ragged shape lists up to 2**20 kv lengths (winners_json's cap on a
+# batch). Anything larger is damage, and decoding it would cost seconds and gigabytes.
+MAX_JSON_CHARS = 64 * 1024
+MAX_SHAPE_JSON_CHARS = 12 * 2**20
+MAX_TEXT_CHARS = 256
+MAX_PACKAGES = 64
+MAX_ROW_INT = 1 << 62
 
 
 class DBError(RuntimeError):
@@ -245,9 +257,31 @@ class WinnerRow:
     updated_at: datetime
 
 
+def shipped_db_path() -> Path:
+    """The H200 results shipped with mla-tune: found through the installed package, never
+    the working directory."""
+    import mla_tune.shipped
+
+    return Path(mla_tune.shipped.__file__).resolve().parent / "tuning.db"
+
+
+def shipped_db_url() -> str:
+    """SQLite URL of the shipped results (`--db shipped`). It is data of the installation:
+    open it with `TuningStore(url, read_only=True)`, which reads it without writing a byte,
+    even in a read-only site-packages."""
+    return URL.create("sqlite", database=str(shipped_db_path())).render_as_string()
+
+
+def _raw_url(url: str | None) -> str:
+    return url or os.environ.get(ENV_VAR) or DEFAULT_URL
+
+
 def resolve_url(url: str | None = None) -> URL:
-    """`url`, else $MLA_TUNE_DB, else ./tuning.db; a bare path means a SQLite file."""
-    raw = url or os.environ.get(ENV_VAR) or DEFAULT_URL
+    """`url`, else $MLA_TUNE_DB, else ./tuning.db; a bare path means a SQLite file, and
+    `shipped` the results shipped with mla-tune (`./shipped` is a file of that name)."""
+    raw = _raw_url(url)
+    if raw == SHIPPED:
+        return URL.create("sqlite", database=str(shipped_db_path()))
     if "://" not in raw:
         return URL.create("sqlite", database=str(Path(raw).expanduser()))
     try:
@@ -261,6 +295,64 @@ def resolve_url(url: str | None = None) -> URL:
                       f"{parsed.render_as_string()}; use sqlite:///PATH or "
                       "postgresql+psycopg://USER:PASSWORD@HOST/DB")
     return parsed
+
+
+# SQLite's primary result codes and PostgreSQL's SQLSTATEs that say the DB's storage, not
+# the statement, failed: the disk is full, the file is damaged or cannot be written.
+_FULL, _DAMAGED, _IO, _READ_ONLY, _CANT_OPEN = "full", "damaged", "io", "read-only", "cantopen"
+_SQLITE_CODES = {sqlite3.SQLITE_FULL: _FULL, sqlite3.SQLITE_CORRUPT: _DAMAGED,
+                 sqlite3.SQLITE_NOTADB: _DAMAGED, sqlite3.SQLITE_IOERR: _IO,
+                 sqlite3.SQLITE_READONLY: _READ_ONLY, sqlite3.SQLITE_CANTOPEN: _CANT_OPEN}
+_PG_STATES = {"53100": _FULL, "XX001": _DAMAGED, "XX002": _DAMAGED, "58030": _IO,
+              "25006": _READ_ONLY}
+_KEPT = ("Nothing stored was lost: the write in progress was rolled back and everything "
+         "stored before it is kept.")
+
+
+def _storage_failure(kind: str, url: str, detail: str) -> DBError:
+    if kind == _FULL:
+        return DBError(f"the disk holding the tuning DB {url} is full ({detail}). {_KEPT} "
+                       "Free some space (or give --db a DB on another disk) and run the "
+                       "same command again to finish.")
+    if kind == _DAMAGED:
+        return DBError(f"the tuning DB {url} is damaged ({detail}). {_KEPT} Keep the file "
+                       "as it is and write no more to it: restore a backup, or copy out "
+                       "what is readable (for a SQLite file: `sqlite3 DAMAGED.db .recover "
+                       "| sqlite3 recovered.db`), and sweep with --db pointing at the "
+                       "restored DB or a new one.")
+    if kind == _IO:
+        return DBError(f"the tuning DB {url} could not be read or written: the operating "
+                       f"system reported an I/O error ({detail}), e.g. a full disk, a file "
+                       f"size limit or a failing device. {_KEPT} Fix the cause and run the "
+                       "same command again.")
+    if kind == _READ_ONLY:
+        return DBError(f"the tuning DB {url} cannot be written ({detail}): the file, its "
+                       "directory or the server is read-only. Fix the permissions or give "
+                       "--db a writable DB; report, diff and export read it as it is.")
+    return DBError(f"cannot open the tuning DB {url} ({detail}); check that its directory "
+                   "exists and can be written, or give --db another path.")
+
+
+def db_failure(exc: BaseException, url: str) -> DBError | None:
+    """The DBError to show when `exc`, or an exception it was raised from, means the DB's
+    storage failed (disk full, damaged file, I/O error, read-only); None for any other
+    error. Both databases roll the failed transaction back, so what was stored stays."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, DBError):
+            return e
+        kind = None
+        if isinstance(e, sqlite3.Error):
+            kind = _SQLITE_CODES.get((getattr(e, "sqlite_errorcode", None) or 0) & 0xFF)
+        elif isinstance(getattr(e, "sqlstate", None), str):  # a psycopg error
+            kind = _PG_STATES.get(e.sqlstate)  # type: ignore[attr-defined]
+        if kind is not None:
+            return _storage_failure(kind, url, str(e).strip().splitlines()[0] if str(e)
+                                    else type(e).__name__)
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _check_sqlite_file(database: str | None) -> None:
@@ -382,30 +474,145 @@ def _rekey(s: Session, model: type[Trial] | type[Claim], backend: str, old: str,
                                          ~clash).values(source_hash=new)).rowcount
 
 
+class RowError(ValueError):
+    """A stored row that cannot be decoded (damaged or written by something else): readers
+    skip it with a warning naming it, instead of failing on the whole table."""
+
+
+def _json_object(value: Any, column: str, limit: int = MAX_JSON_CHARS) -> dict[str, Any]:
+    """A JSON object column, decoded only when its text is under `limit` characters."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RowError(f"{column} is a BLOB of {len(value)} bytes, not JSON text") from None
+    if not isinstance(value, str):
+        raise RowError(f"{column} is {'NULL' if value is None else type(value).__name__}, "
+                       "not JSON text")
+    if len(value) > limit:
+        raise RowError(f"{column} holds {len(value)} characters, over the {limit} a "
+                       "reader takes")
+    try:
+        decoded = json.loads(value)
+    except RecursionError:
+        raise RowError(f"{column} is nested too deeply") from None
+    except ValueError as e:  # bad JSON, or an integer of thousands of digits
+        raise RowError(f"{column} is not valid JSON ({str(e)[:120]})") from None
+    if not isinstance(decoded, dict):
+        raise RowError(f"{column} is a JSON {type(decoded).__name__}, not an object")
+    return decoded
+
+
+def _text(value: Any, column: str) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_TEXT_CHARS:
+        raise RowError(f"{column} is not a text of 1 to {MAX_TEXT_CHARS} characters")
+    return value
+
+
+def _integer(value: Any, column: str, lo: int = 0) -> int:
+    if type(value) is not int or not lo <= value <= MAX_ROW_INT:
+        raise RowError(f"{column} is not an integer in [{lo}, 2^62]: {str(value)[:40]!r}")
+    return value
+
+
+def _time_us(value: Any, column: str, *, zero: bool = False) -> float | None:
+    """An optional time (or spread, with `zero`) in µs: a finite number, positive unless
+    `zero`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or abs(value) > MAX_ROW_INT \
+            or value < 0 or (value == 0 and not zero):
+        what = "non-negative" if zero else "positive"
+        raise RowError(f"{column} is not a {what} finite number: {str(value)[:40]!r}")
+    return float(value)
+
+
+def _optional(value: Any, kind: type | tuple[type, ...], column: str) -> Any:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+        raise RowError(f"{column} is of the wrong type ({type(value).__name__})")
+    return value
+
+
+def _string(value: Any, column: str) -> str:
+    if not isinstance(value, str) or len(value) > MAX_JSON_CHARS:
+        raise RowError(f"{column} is not a text of at most {MAX_JSON_CHARS} characters")
+    return value
+
+
 def _trial_row(t: Trial) -> TrialRow:
+    """`t` as plain data; raises RowError for a value no trial can hold."""
+    if t.status not in TRIAL_STATUSES:
+        raise RowError(f"status {str(t.status)[:40]!r} is not one of {TRIAL_STATUSES}")
+    median = _time_us(t.median_us, "median_us")
+    if t.status == "ok" and median is None:
+        raise RowError("an 'ok' trial without median_us")
     return TrialRow(
-        id=t.id, device_id=t.device_id, software_id=t.software_id, shape_key=t.shape_key,
-        shape_json=json.loads(t.shape_json), kv_format=t.kv_format, backend=t.backend,
-        source_hash=t.source_hash, config=json.loads(t.config_json), config_key=t.config_key,
-        status=t.status, median_us=t.median_us, mean_us=t.mean_us, std_us=t.std_us,
-        min_us=t.min_us, max_us=t.max_us, n=t.n, max_abs_err=t.max_abs_err,
-        mismatch_frac=t.mismatch_frac, error=t.error, worker=t.worker,
-        created_at=_aware(t.created_at), first_median_us=t.first_median_us,
-        runoff_median_us=t.runoff_median_us,
+        id=t.id, device_id=_integer(t.device_id, "device_id"),
+        software_id=_integer(t.software_id, "software_id"),
+        shape_key=_text(t.shape_key, "shape_key"),
+        shape_json=_json_object(t.shape_json, "shape_json", MAX_SHAPE_JSON_CHARS),
+        kv_format=_text(t.kv_format, "kv_format"), backend=_text(t.backend, "backend"),
+        source_hash=_text(t.source_hash, "source_hash"),
+        config=_json_object(t.config_json, "config_json"),
+        config_key=_string(t.config_key, "config_key"), status=t.status,
+        median_us=median, mean_us=_time_us(t.mean_us, "mean_us"),
+        std_us=_time_us(t.std_us, "std_us", zero=True), min_us=_time_us(t.min_us, "min_us"),
+        max_us=_time_us(t.max_us, "max_us"),
+        n=None if t.n is None else _integer(t.n, "n", 1),
+        max_abs_err=_optional(t.max_abs_err, (int, float), "max_abs_err"),
+        mismatch_frac=_optional(t.mismatch_frac, (int, float), "mismatch_frac"),
+        error=None if t.error is None else str(t.error)[:MAX_JSON_CHARS],
+        worker=None if t.worker is None else str(t.worker)[:MAX_TEXT_CHARS],
+        created_at=_aware(t.created_at),
+        first_median_us=_time_us(t.first_median_us, "first_median_us"),
+        runoff_median_us=_time_us(t.runoff_median_us, "runoff_median_us"),
         remeasured_at=None if t.remeasured_at is None else _aware(t.remeasured_at),
     )
 
 
+def _device_fingerprint(d: Device) -> DeviceFingerprint:
+    try:
+        return DeviceFingerprint(vendor=_text(d.vendor, "device vendor"),
+                                 name=_text(d.name, "device name"),
+                                 arch=_text(d.arch, "device arch"),
+                                 sm_count=_integer(d.sm_count, "device sm_count"),
+                                 memory_bytes=_integer(d.memory_bytes, "device memory_bytes"))
+    except ValueError as e:  # an unknown vendor
+        raise RowError(f"device {d.id}: {e}") from None
+
+
+def _read_bw(d: Device) -> float | None:
+    """The device's stored read bandwidth, or None when it is not a positive number."""
+    try:
+        return _time_us(d.read_bw_gbps, "read_bw_gbps")
+    except RowError:
+        return None
+
+
 def _winner_row(w: Winner, d: Device, s: Software) -> WinnerRow:
+    """`w` with its device and stack as plain data; raises RowError for a value no winner
+    can hold (a damaged row, or one its device or stack row cannot describe)."""
+    versions = _json_object(s.versions_json, f"software {s.id} versions_json")
+    if len(versions) > MAX_PACKAGES or not all(
+            isinstance(k, str) and isinstance(v, str) and 0 < len(k) <= MAX_TEXT_CHARS
+            and len(v) <= MAX_TEXT_CHARS for k, v in versions.items()):
+        raise RowError(f"software {s.id} versions_json is not up to {MAX_PACKAGES} "
+                       "package: version texts")
+    median = _time_us(w.median_us, "median_us")
+    if median is None:
+        raise RowError("median_us is NULL")
     return WinnerRow(
         id=w.id, device_id=w.device_id, software_id=w.software_id,
-        device=DeviceFingerprint(vendor=d.vendor, name=d.name, arch=d.arch,
-                                 sm_count=d.sm_count, memory_bytes=d.memory_bytes),
-        device_read_bw_gbps=d.read_bw_gbps,
-        software=SoftwareFingerprint.from_json(json.loads(s.versions_json)),
-        shape_key=w.shape_key, shape_json=json.loads(w.shape_json), kv_format=w.kv_format,
-        backend=w.backend, source_hash=w.source_hash, config=json.loads(w.config_json),
-        trial_id=w.trial_id, median_us=w.median_us, updated_at=_aware(w.updated_at),
+        device=_device_fingerprint(d), device_read_bw_gbps=_read_bw(d),
+        software=SoftwareFingerprint.from_json(versions),
+        shape_key=_text(w.shape_key, "shape_key"),
+        shape_json=_json_object(w.shape_json, "shape_json", MAX_SHAPE_JSON_CHARS),
+        kv_format=_text(w.kv_format, "kv_format"), backend=_text(w.backend, "backend"),
+        source_hash=_text(w.source_hash, "source_hash"),
+        config=_json_object(w.config_json, "config_json"),
+        trial_id=_integer(w.trial_id, "trial_id"), median_us=median,
+        updated_at=_aware(w.updated_at),
     )
 
 
@@ -421,6 +628,11 @@ class TuningStore:
     a DB in a read-only directory can be read and no read leaves files behind."""
 
     def __init__(self, url: str | None = None, *, read_only: bool = False) -> None:
+        if not read_only and _raw_url(url) == SHIPPED:
+            raise DBError("`shipped` names the tuning results shipped with mla-tune, which "
+                          "are only read; sweep into your own DB (the default ./tuning.db, "
+                          "or --db PATH). To add to the shipped results on purpose, give "
+                          f"the file's path: --db {shipped_db_path()}")
         self._url = resolve_url(url)
         self._dialect = self._url.get_backend_name()
         self.read_only = read_only
@@ -532,32 +744,54 @@ class TuningStore:
                 if self._dialect == "postgresql":
                     conn.execute(text("SELECT pg_advisory_xact_lock(:k)"),
                                  {"k": _lock_key("mla-tune migrations")})
+                else:
+                    self._check_integrity(conn)
                 cfg.attributes["connection"] = conn
                 command.upgrade(cfg, "head")
         except CommandError as e:
             raise DBError(f"cannot migrate the tuning DB {self.url}: {e}. It was probably "
                           "written by a newer mla-tune; upgrade mla-tune or use another "
                           "DB") from None
-        except OperationalError as e:
-            raise DBError(f"cannot open the tuning DB {self.url}: {e.orig or e}") from None
+        except DBAPIError as e:
+            raise (db_failure(e, self.url)
+                   or DBError(f"cannot open the tuning DB {self.url}: {e.orig or e}")) from None
+
+    def _check_integrity(self, conn: Connection) -> None:
+        """Refuse a damaged SQLite file before writing to it: a sweep would otherwise fail
+        at the first damaged page it meets, with its new results stored next to them."""
+        problems = [str(r[0]) for r in conn.exec_driver_sql("PRAGMA quick_check(3)")]
+        if problems != ["ok"]:
+            raise DBError(f"the tuning DB {self.url} is damaged (SQLite's check: "
+                          f"{'; '.join(problems)}); nothing was written to it. Keep the file "
+                          "as it is: restore a backup, or copy out what is readable with "
+                          "`sqlite3 DAMAGED.db .recover | sqlite3 recovered.db`, and sweep "
+                          "with --db pointing at the restored DB or a new one.")
 
     @contextmanager
     def _session(self) -> Iterator[Session]:
-        with Session(self._engine, expire_on_commit=False) as session, session.begin():
-            if self._ro_path is None:
-                yield session
-                return
-            # A lock-free read (see the class docstring) must not have seen a change.
-            dbapi = session.connection().connection.dbapi_connection
-            state = getattr(dbapi, "clean_state", None)
-            try:
-                yield session
-            except DBAPIError:
+        """One transaction. On a writable store, a failure of the DB's storage (disk full,
+        damaged file) is a DBError saying what to do (see `db_failure`)."""
+        try:
+            with Session(self._engine, expire_on_commit=False) as session, session.begin():
+                if self._ro_path is None:
+                    yield session
+                    return
+                # A lock-free read (see the class docstring) must not have seen a change.
+                dbapi = session.connection().connection.dbapi_connection
+                state = getattr(dbapi, "clean_state", None)
+                try:
+                    yield session
+                except DBAPIError:
+                    if state is not None and _clean_state(self._ro_path) != state:
+                        raise _ChangedWhileReading from None
+                    raise
                 if state is not None and _clean_state(self._ro_path) != state:
-                    raise _ChangedWhileReading from None
+                    raise _ChangedWhileReading
+        except DBAPIError as e:
+            failure = None if self.read_only else db_failure(e, self.url)
+            if failure is None:
                 raise
-            if state is not None and _clean_state(self._ro_path) != state:
-                raise _ChangedWhileReading
+            raise failure from e
 
     def _insert(self, model: type[Any]) -> Any:
         dialect = sqlite if self._dialect == "sqlite" else postgresql
@@ -629,6 +863,8 @@ class TuningStore:
                "backend": backend, "source_hash": source_hash, "config_key": ckey}
         kv = kv_format.value if isinstance(kv_format, enum.Enum) else str(kv_format)
         with self._session() as s:
+            self._lock_group(s, TrialGroup(device_id, software_id, shape_key, backend,
+                                           source_hash), shared=True)
             s.execute(self._insert(Trial).values(
                 **key, shape_json=config_key(shape_json), kv_format=kv, config_json=ckey,
                 status=status, **{k: stats.get(k) for k in STAT_KEYS},
@@ -701,12 +937,44 @@ class TuningStore:
         """Claims whose candidate has no trial yet."""
         return ~exists().where(*(getattr(Trial, k) == getattr(Claim, k) for k in _TRIAL_KEY))
 
+    def _lock_group(self, s: Session, group: TrialGroup, *, shared: bool = False) -> None:
+        """PostgreSQL: order queueing a candidate (exclusive) against storing a trial of the
+        group (shared), so no claim is queued for a trial stored in the meantime. SQLite's
+        BEGIN IMMEDIATE already serializes every writer."""
+        if self._dialect != "postgresql":
+            return
+        fn = "pg_advisory_xact_lock_shared" if shared else "pg_advisory_xact_lock"
+        s.execute(text(f"SELECT {fn}(:k)"),
+                  {"k": _lock_key("claims", *(getattr(group, k) for k in _GROUP_KEY))})
+
+    def _spent(self, s: Session, group: TrialGroup, stale_after_s: float,
+               dead_owners: Collection[str]) -> int:
+        """Configs of `group` measured or being measured by a live holder, by any sweep."""
+        live = [Claim.state == "running", Claim.heartbeat_at >= self._db_now() - stale_after_s,
+                self._unmeasured()]
+        if dead_owners:
+            live.append(Claim.claimed_by.not_in(sorted(dead_owners)))
+        trials = s.scalar(select(func.count()).select_from(Trial).where(*group.where(Trial)))
+        held = s.scalar(select(func.count()).select_from(Claim).where(*group.where(Claim),
+                                                                       *live))
+        return int(trials or 0) + int(held or 0)
+
+    @_reads
+    def spent(self, group: TrialGroup, *, stale_after_s: float,
+              dead_owners: Collection[str] = ()) -> int:
+        """What counts against a `--budget` of `group`, whichever sweep spent it: its stored
+        trials plus its candidates being measured by holders that are alive (heartbeat
+        within `stale_after_s`, not in `dead_owners`)."""
+        with self._session() as s:
+            return self._spent(s, group, stale_after_s, dead_owners)
+
     @_writes
     def enqueue(self, group: TrialGroup, configs: Iterable[Mapping[str, Any]]) -> None:
         """Queue candidates of `group` for measurement, in order; measured or already
         queued ones are left alone."""
         keys = dict.fromkeys(config_key(c) for c in configs)  # canonical JSON, in order
         with self._session() as s:
+            self._lock_group(s, group)
             measured = set(s.scalars(select(Trial.config_key).where(*group.where(Trial))))
             values = [{**{k: getattr(group, k) for k in _GROUP_KEY}, "config_key": c,
                        "config_json": c, "state": "pending", "created_at": utcnow()}
@@ -717,15 +985,18 @@ class TuningStore:
 
     @_writes
     def claim(self, group: TrialGroup, owner: str, *, stale_after_s: float,
-              dead_owners: Collection[str] = (),
-              config: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+              dead_owners: Collection[str] = (), config: Mapping[str, Any] | None = None,
+              budget: int | None = None) -> dict[str, Any] | None:
         """Atomically take one unmeasured candidate of `group` for `owner`: the oldest
         queued one, or one whose owner has not heartbeated for `stale_after_s` seconds or is
-        in `dead_owners`. With `config`, that config is queued if needed and only it may be
-        taken. Returns the config, or None when nothing is claimable.
+        in `dead_owners`. With `config`, that config is queued if it is not measured yet,
+        and only it may be taken. With `budget`, nothing is taken once `spent` reaches it,
+        so concurrent sweeps together measure at most `budget` configs of the group.
+        Returns the config, or None when nothing is claimable.
 
         PostgreSQL locks the row with FOR UPDATE SKIP LOCKED, so concurrent claimers take
-        different rows without waiting; SQLite's BEGIN IMMEDIATE serializes claimers."""
+        different rows without waiting (claims that queue a config or count a budget take
+        the group's lock first); SQLite's BEGIN IMMEDIATE serializes claimers."""
         now = self._db_now()
         claimable = [Claim.state == "pending", Claim.heartbeat_at < now - stale_after_s]
         if dead_owners:
@@ -734,8 +1005,16 @@ class TuningStore:
                  .where(*group.where(Claim), or_(*claimable), self._unmeasured())
                  .order_by(Claim.id).limit(1).with_for_update(skip_locked=True, of=Claim))
         with self._session() as s:
+            if config is not None or budget is not None:
+                self._lock_group(s, group)
+            if budget is not None and self._spent(s, group, stale_after_s,
+                                                  dead_owners) >= budget:
+                return None
             if config is not None:
                 key = config_key(config)
+                if s.scalar(select(exists().where(*group.where(Trial),
+                                                  Trial.config_key == key))):
+                    return None
                 s.execute(self._insert(Claim).values(
                     **{k: getattr(group, k) for k in _GROUP_KEY}, config_key=key,
                     config_json=key, state="pending", created_at=utcnow(),
@@ -797,8 +1076,15 @@ class TuningStore:
                    "backend": backend, "source_hash": source_hash, "status": status}
         where = [getattr(Trial, k) == v for k, v in filters.items() if v is not None]
         with self._session() as s:
-            return [_trial_row(t) for t in s.scalars(select(Trial).where(*where)
-                                                     .order_by(Trial.id))]
+            found = self._fetch(s.scalars(select(Trial).where(*where).order_by(Trial.id)),
+                                "trials")
+        rows = []
+        for t in found:
+            try:
+                rows.append(_trial_row(t))
+            except RowError as e:
+                self._skip(f"trial {t.id} ({str(t.shape_key)[:80]})", e)
+        return rows
 
     @_writes
     def delete_trials(self, group: TrialGroup, statuses: Collection[str]) -> int:
@@ -868,11 +1154,17 @@ class TuningStore:
         in the file until VACUUM (PostgreSQL's autovacuum reuses them on its own)."""
         if self._dialect != "sqlite":
             return
-        raw = self._engine.raw_connection()
         try:
-            raw.driver_connection.execute("VACUUM")
-        finally:
-            raw.close()
+            raw = self._engine.raw_connection()
+            try:
+                raw.driver_connection.execute("VACUUM")
+            finally:
+                raw.close()
+        except (DBAPIError, sqlite3.Error) as e:
+            failure = db_failure(e, self.url)
+            if failure is None:
+                raise
+            raise failure from e
 
     @_writes
     def update_winner(self, device_id: int, software_id: int, shape_key: str,
@@ -927,18 +1219,51 @@ class TuningStore:
         if shape_key is not None:
             where.append(Winner.shape_key == shape_key)
         with self._session() as s:
-            return self._winners(s, where)
+            return self._winners(s, where, self._skip)
 
-    @staticmethod
-    def _winners(s: Session, where: list[ColumnElement[bool]]) -> list[WinnerRow]:
-        rows = s.execute(
+    def _winners(self, s: Session, where: list[ColumnElement[bool]],
+                 skip: Callable[[str, RowError], None] | None = None) -> list[WinnerRow]:
+        """Winners matching `where`; an undecodable one is passed to `skip` (raised when
+        there is none)."""
+        rows = self._fetch(s.execute(
             select(Winner, Device, Software)
             .join(Device, Winner.device_id == Device.id)
             .join(Software, Winner.software_id == Software.id)
             .where(*where)
             .order_by(Winner.device_id, Winner.software_id, Winner.shape_key)
-        ).all()
-        return [_winner_row(w, d, sw) for w, d, sw in rows]
+        ), "winners")
+        out = []
+        for w, d, sw in rows:
+            try:
+                out.append(_winner_row(w, d, sw))
+            except RowError as e:
+                if skip is None:
+                    raise
+                skip(f"winner {w.id} ({str(w.shape_key)[:80]})", e)
+        return out
+
+    def _fetch(self, result: Any, table: str) -> list[Any]:
+        """All rows of `result`. A value SQLAlchemy cannot convert (a date that is no date)
+        fails the whole query: a DBError naming the table, not a traceback."""
+        try:
+            return list(result.all())
+        except (ValueError, TypeError, OverflowError) as e:
+            raise DBError(f"the tuning DB {self.url} holds a row of its {table} that cannot "
+                          f"be read ({str(e)[:200]}); it is damaged or was written by "
+                          "something else: restore a backup, or delete that row") from None
+
+    @property
+    def skipped(self) -> list[str]:
+        """Rows the reads so far skipped, each with why: damaged or foreign rows that no
+        report or dispatcher can use (also logged as warnings)."""
+        return list(self.__dict__.get("_skipped", ()))
+
+    def _skip(self, what: str, error: RowError) -> None:
+        skipped = self.__dict__.setdefault("_skipped", {})
+        message = f"{what}: {error}"
+        if message not in skipped:
+            skipped[message] = None
+            log.warning("mla-tune: skipping %s in %s", message, self.url)
 
     @_writes
     def optuna_storage(self, heartbeat_s: int | None = None,

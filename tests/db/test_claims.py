@@ -1,15 +1,17 @@
 """The claims queue: each candidate is taken once, stale or dead holders' candidates are
 taken over, and storing a trial releases its claim in the same transaction."""
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import Engine, create_engine, event, inspect, text
 
-from mla_tune.db import TrialGroup, TuningStore
+from mla_tune.db import TrialGroup, TuningStore, resolve_url
 from mla_tune.db.store import MIGRATIONS_DIR
+from mla_tune.space import config_key
 from tests.db.conftest import GPU, SHAPE, SHAPE_KEY, STACK
 
 CONFIGS = [{"c": i} for i in range(4)]
@@ -105,3 +107,64 @@ def test_a_0001_database_gains_the_claims_table(sqlite_url):
         s.enqueue(_group(ids), CONFIGS[:1])
         assert len(s.claims(_group(ids))) == 1
     engine.dispose()
+
+
+def _claim_rows(url):
+    """Every row of the claims table, measured or not (`claims()` hides measured ones)."""
+    engine = create_engine(resolve_url(url))
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT config_key, state FROM mt_claims")).all()
+    finally:
+        engine.dispose()
+
+
+def test_claiming_a_measured_config_queues_nothing(url, store, ids):
+    g = _group(ids)
+    _store_trial(store, g, {"c": 7})
+    assert store.claim(g, "a", stale_after_s=60, config={"c": 7}) is None
+    assert _claim_rows(url) == []
+
+
+def test_a_trial_stored_while_candidates_are_queued_leaves_no_orphan_claim(url, store, ids):
+    """Another sweep stores a candidate's trial between `enqueue` reading what is measured
+    and queueing the rest: the candidate ends up stored and not queued."""
+    g = _group(ids)
+    other = TuningStore(url)
+    fired = []
+
+    def store_elsewhere(conn, cursor, statement, params, context, many):
+        if statement.startswith("INSERT INTO mt_claims") and not fired:
+            fired.append(threading.Thread(target=_store_trial, args=(other, g, CONFIGS[0])))
+            fired[0].start()
+            fired[0].join(timeout=1)  # with the group locked it waits for this transaction
+
+    event.listen(Engine, "before_cursor_execute", store_elsewhere)
+    try:
+        store.enqueue(g, CONFIGS)
+    finally:
+        event.remove(Engine, "before_cursor_execute", store_elsewhere)
+    fired[0].join()
+    other.close()
+    assert [t.config for t in store.trials()] == [CONFIGS[0]]
+    assert sorted(k for k, _ in _claim_rows(url)) == sorted(
+        config_key(c) for c in CONFIGS[1:])
+
+
+def test_a_budget_counts_what_every_sweep_stored_or_holds(store, ids):
+    g = _group(ids)
+    store.enqueue(g, [{"c": i} for i in range(6)])
+    assert store.claim(g, "a", stale_after_s=60, budget=3) == {"c": 0}
+    assert store.claim(g, "b", stale_after_s=60, budget=3) == {"c": 1}
+    _store_trial(store, g, {"c": 0})
+    assert store.spent(g, stale_after_s=60) == 2
+    assert store.claim(g, "b", stale_after_s=60, config={"c": 9}, budget=3) == {"c": 9}
+    assert store.spent(g, stale_after_s=60) == 3
+    assert store.claim(g, "a", stale_after_s=60, budget=3) is None
+    assert store.claim(g, "a", stale_after_s=60, config={"c": 8}, budget=3) is None
+    # A dead holder's candidate no longer counts, and is taken over within the budget.
+    assert store.spent(g, stale_after_s=60, dead_owners={"b"}) == 1
+    taken = store.claim(g, "a", stale_after_s=60, dead_owners={"b"}, budget=3)
+    assert taken == {"c": 1}
+    assert store.claim(g, "a", stale_after_s=60, dead_owners={"b"}, budget=3) == {"c": 2}
+    assert store.claim(g, "a", stale_after_s=60, dead_owners={"b"}, budget=3) is None
