@@ -83,7 +83,7 @@ def test_ragged_task_tuple_without_kv_lens(fmt: str, q_len: int) -> None:
 def test_custom_kernel_takes_ragged_task_tuples() -> None:
     from mla_tune import submission
 
-    data = generate_input(Shape(2, (90, 41)), seed=4)
+    data = generate_input(Shape(2, (90, 41)), seed=4, device=submission.dispatcher.device)
     assert err(submission.custom_kernel(data), data) < GATE
 
 

@@ -39,7 +39,7 @@ def test_custom_kernel_matches_reference(monkeypatch, winners_file, tmp_path, wh
     sub = _load(monkeypatch, winners_file if which == "tuned" else tmp_path / "none.json")
     assert sub.dispatcher.loaded == (3 if which == "tuned" else 0)
     for shape in CALLS:
-        data = generate_input(shape, seed=3)
+        data = generate_input(shape, seed=3, device=sub.dispatcher.device)
         out = sub.custom_kernel(data)
         fmt = sub.dispatcher.choose_format(shape, data[1])
         ref = mla_decode_reference(*data, kv_format=fmt.value)
