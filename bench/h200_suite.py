@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mla_tune.backends import backend_names, get_backend, source_hashes  # noqa: E402
+from mla_tune.bandwidth import measure_read_bandwidth  # noqa: E402
 from mla_tune.db import TuningStore  # noqa: E402
 from mla_tune.fingerprint import current_device, current_software  # noqa: E402
 from mla_tune.problem import KVFormat, Shape  # noqa: E402
@@ -29,7 +30,6 @@ from mla_tune.timing import TimingPolicy  # noqa: E402
 from mla_tune.ui import SweepProgress  # noqa: E402
 from rich.console import Console  # noqa: E402
 
-READ_CEILING_GBPS = 4580.0  # streaming read measured on the H200 (platform.md)
 OURS, LIBRARY, TORCH = "triton", "flashinfer", "torch"
 
 
@@ -118,12 +118,16 @@ def main() -> None:
             run_sweep(shapes, backends, store, options, progress)
         dev = current_device("cuda:0")
         device_id = store.device_id(dev)
+    # The ceiling the DB stores for this device (the sweep measures it once), as the report
+    # uses; measured here when the DB has none.
+    ceiling = next((d.read_bw_gbps for d in store.devices() if d.id == device_id), None) \
+        or measure_read_bandwidth("cuda:0") or float("nan")
     header = (f"## {dev.name}, {dt.date.today()} — {' '.join(sys.argv)}\n\n"
               f"software (of this run): "
               f"{', '.join(f'{k} {v}' for k, v in current_software().versions)}; "
-              f"cold L2, median µs; read ceiling {READ_CEILING_GBPS / 1000:.2f} TB/s; "
+              f"cold L2, median µs; read ceiling {ceiling / 1000:.2f} TB/s; "
               f"sweep wall time {time.time() - t0:.0f} s\n")
-    text = header + "\n" + tables(store, device_id, shapes, READ_CEILING_GBPS)
+    text = header + "\n" + tables(store, device_id, shapes, ceiling)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
