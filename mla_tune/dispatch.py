@@ -113,7 +113,6 @@ from mla_tune.winners_json import WinnerRecord, load_winners_json
 log = logging.getLogger(__name__)
 
 FORCE_ENV = "MLA_TUNE_FORCE"
-DB_ENV = "MLA_TUNE_DB"
 TRACE_ENV = "MLA_TUNE_TRACE"
 HEURISTIC_BACKENDS = ("triton", "torch")
 LAST_RESORT = "torch"
@@ -451,12 +450,14 @@ class Dispatcher:
         dev = _default_device(device)
         here = current_device(dev).hash
         sources: list[str | None] = [url_or_path]
-        if not url_or_path and not os.environ.get(DB_ENV):
-            sources = [None] if os.path.exists("tuning.db") else []
+        if not url_or_path:
             try:
-                from mla_tune.db import shipped_db_url
+                from mla_tune.db import default_db_path, shipped_db_url
 
-                sources.append(shipped_db_url())
+                local = default_db_path()
+                if local is not None:  # no DB named anywhere: local (if any) + shipped
+                    sources = [None] if local.exists() else []
+                    sources.append(shipped_db_url())
             except Exception as e:  # noqa: BLE001 - serving must never fail on the tuning DB
                 log.warning("mla-tune: the shipped tuning results cannot be located (%s)", e)
         records: list[WinnerRecord] = []

@@ -12,10 +12,11 @@ from mla_tune.db.store import (
     TuningStore,
     WinnerRow,
     db_failure,
+    default_db_path,
     resolve_url,
     shipped_db_url,
 )
 
 __all__ = ["ClaimRow", "DBError", "DeletedRows", "DeviceRow", "RenamedRows", "SourceRow",
-           "TrialGroup", "TrialRow", "TuningStore", "WinnerRow", "db_failure", "resolve_url",
-           "shipped_db_url"]
+           "TrialGroup", "TrialRow", "TuningStore", "WinnerRow", "db_failure",
+           "default_db_path", "resolve_url", "shipped_db_url"]

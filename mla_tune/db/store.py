@@ -265,6 +265,14 @@ def shipped_db_path() -> Path:
     return Path(mla_tune.shipped.__file__).resolve().parent / "tuning.db"
 
 
+def default_db_path() -> Path | None:
+    """The user's default SQLite file (./tuning.db) when $MLA_TUNE_DB names no DB, else
+    None: where `resolve_url(None)` points when nothing else was asked for."""
+    if os.environ.get(ENV_VAR):
+        return None
+    return Path(make_url(DEFAULT_URL).database or "")
+
+
 def shipped_db_url() -> str:
     """SQLite URL of the shipped results (`--db shipped`). It is data of the installation:
     open it with `TuningStore(url, read_only=True)`, which reads it without writing a byte,
