@@ -110,15 +110,24 @@ def _open_store(db: str | None, *, read_only: bool = False) -> Any:
 
 
 def _shapes(shape: list[str], suite: str | None, formats: list[KVFormat], heads: int,
-            q_len: int, page_size: int) -> list[Shape]:
+            q_len: int, page_size: int, ragged: str | None = None,
+            ragged_seed: int = 0) -> list[Shape]:
+    from mla_tune.problem import RaggedLengths, parse_ragged_shape
     from mla_tune.suites import UnknownSuiteError, suite_shapes
 
     shapes: list[Shape] = []
     try:
+        dist = RaggedLengths.parse(ragged, ragged_seed) if ragged else None
+        if dist is not None and not shape:
+            fail("--ragged needs --shape BATCH or BATCHxKV (KV caps the drawn lengths)")
         for text in shape:
             for fmt in formats:
-                shapes.append(parse_shape(text, q_len=q_len, heads=heads, kv_format=fmt,
-                                          page_size=page_size))
+                if dist is not None:
+                    shapes.append(parse_ragged_shape(text, dist, q_len=q_len, heads=heads,
+                                                     kv_format=fmt, page_size=page_size))
+                else:
+                    shapes.append(parse_shape(text, q_len=q_len, heads=heads, kv_format=fmt,
+                                              page_size=page_size))
         if suite:
             shapes += suite_shapes(suite, formats if formats != list(KVFormat) else None)
     except (ShapeError, UnknownSuiteError) as exc:
@@ -136,6 +145,8 @@ def sweep(
     heads: int = typer.Option(16, min=1, max=128, help="Query heads per KV head, 1-128 (DeepSeek-V3's 128 split by tensor parallelism: 16, 32, 64, 128); a backend that cannot run a count says so."),
     q_len: int = typer.Option(1, "--q-len", help="Query tokens per sequence (1-4)."),
     page_size: int = typer.Option(1, "--page-size", help="KV page size of the shape."),
+    ragged: str | None = typer.Option(None, "--ragged", help="Tune a serving bucket on a ragged batch: kv lengths drawn from uniform:LOW-HIGH (e.g. --shape 32 --ragged uniform:300-8000; a KV in --shape caps the lengths). The dispatcher uses its winner for every call of the bucket."),
+    ragged_seed: int = typer.Option(0, "--ragged-seed", help="Seed of the --ragged lengths (the same seed draws the same batch on any machine)."),
     backend: list[str] = typer.Option([], "--backend", "-b", help="Kernel family (repeatable; default all)."),
     db: str | None = typer.Option(None, help=DB_HELP),
     strategy: str = typer.Option("grid", help="grid, tpe or random."),
@@ -171,7 +182,7 @@ def sweep(
     from mla_tune.ui import SweepProgress
 
     formats = _formats(kv_format)
-    shapes = _shapes(shape, suite, formats, heads, q_len, page_size)
+    shapes = _shapes(shape, suite, formats, heads, q_len, page_size, ragged, ragged_seed)
     retry_statuses = tuple(dict.fromkeys(retry))
     if set(retry_statuses) - {"failed", "timeout", "wrong"}:
         fail(f"--retry takes failed, timeout or wrong (a trial's outcome), got "

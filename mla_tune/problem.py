@@ -187,6 +187,63 @@ def parse_shape(text: str, *, q_len: int = 1, heads: int = 16,
                          kv_format=KVFormat(kv_format), page_size=page_size)
 
 
+_RAGGED_RE = re.compile(r"^\s*uniform\s*:\s*(\d+)\s*-\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class RaggedLengths:
+    """A seeded length distribution for tuning a serving bucket on a representative ragged
+    batch (`--ragged uniform:300-8000`): the same text and seed always draw the same
+    lengths, on any machine (Python's own generator, not torch's)."""
+
+    low: int
+    high: int
+    seed: int = 0
+
+    @classmethod
+    def parse(cls, text: str, seed: int = 0) -> "RaggedLengths":
+        m = _RAGGED_RE.match(text)
+        if not m:
+            raise ShapeError(f"bad ragged distribution {text!r}: expected uniform:LOW-HIGH "
+                             "with kv lengths LOW <= HIGH, e.g. uniform:300-8000")
+        low, high = int(m.group(1)), int(m.group(2))
+        if not 1 <= low <= high:
+            raise ShapeError(f"bad ragged distribution {text!r}: need 1 <= LOW <= HIGH")
+        return cls(low, high, seed)
+
+    def text(self) -> str:
+        return f"uniform:{self.low}-{self.high}"
+
+    def draw(self, batch: int, cap: int | None = None) -> tuple[int, ...]:
+        """`batch` lengths uniform in [low, min(high, cap)]."""
+        import random
+
+        high = self.high if cap is None else min(self.high, cap)
+        if high < self.low:
+            raise ShapeError(f"kv length {cap} is below the distribution's lowest length "
+                             f"{self.low} ({self.text()}): give a longer KV or a lower LOW")
+        rng = random.Random(f"{self.text()}/{batch}/{self.seed}")
+        return tuple(rng.randint(self.low, high) for _ in range(batch))
+
+
+_BATCH_RE = re.compile(r"^\s*(\d+)\s*$")
+
+
+def parse_ragged_shape(text: str, ragged: RaggedLengths, *, q_len: int = 1, heads: int = 16,
+                       kv_format: KVFormat | str = KVFormat.BF16, page_size: int = 1) -> Shape:
+    """`BATCH` or `BATCHxKV` with a length distribution: a ragged Shape whose lengths are
+    drawn from `ragged`, at most KV when given (KV caps the lengths)."""
+    m = _BATCH_RE.match(text)
+    if m:
+        batch, cap = int(m.group(1)), None
+    else:
+        base = parse_shape(text)
+        batch, cap = base.batch, base.kv_len
+    if batch < 1:
+        raise ShapeError(f"bad shape {text!r}: batch must be >= 1")
+    return Shape(batch, ragged.draw(batch, cap), q_len, heads, KVFormat(kv_format), page_size)
+
+
 # torch is imported where inputs are made, not here: `mla-tune report`, `diff` and
 # `export` import this module and never need torch (1.2 s of CLI start-up).
 TaskInput = tuple["torch.Tensor", dict[str, Any], "torch.Tensor", "torch.Tensor", dict[str, Any]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from mla_tune.problem import KVFormat, Shape
+from mla_tune.problem import KVFormat, RaggedLengths, Shape, ShapeError
 from mla_tune.space import load_toml
 
 
@@ -34,8 +34,22 @@ def suite_shapes(name: str, kv_formats: list[KVFormat] | None = None) -> list[Sh
     for e in entries:
         formats = kv_formats or [KVFormat(e.get("kv_format", "bf16"))]
         for fmt in formats:
-            shape = Shape.uniform(int(e["batch"]), int(e["kv"]), q_len=int(e.get("q_len", 1)),
-                                  heads=int(e.get("heads", 16)), kv_format=fmt)
+            shape = _entry_shape(name, e, fmt)
             if shape not in shapes:
                 shapes.append(shape)
     return shapes
+
+
+def _entry_shape(suite: str, e: dict[str, Any], fmt: KVFormat) -> Shape:
+    """One entry: uniform (`kv`) or a serving bucket's ragged batch (`ragged`, with
+    `ragged_seed`; `kv`, when also given, caps the lengths)."""
+    kw = dict(q_len=int(e.get("q_len", 1)), heads=int(e.get("heads", 16)), kv_format=fmt,
+              page_size=int(e.get("page_size", 1)))
+    try:
+        if "ragged" in e:
+            dist = RaggedLengths.parse(str(e["ragged"]), int(e.get("ragged_seed", 0)))
+            cap = int(e["kv"]) if "kv" in e else None
+            return Shape(int(e["batch"]), dist.draw(int(e["batch"]), cap), **kw)
+        return Shape.uniform(int(e["batch"]), int(e["kv"]), **kw)
+    except (KeyError, ShapeError) as exc:
+        raise UnknownSuiteError(f"suite {suite!r}: bad entry {e}: {exc}") from None
