@@ -55,20 +55,27 @@ def _plain_string(tok: tokenize.TokenInfo) -> bool:
 
 def hash_sources(paths: Iterable[Path]) -> str:
     """Hash of the code in `paths` (see the module docstring), 16 hex digits."""
-    return _hash(paths, lambda p, data: code_text(data.decode()).encode()
-                 if p.suffix == ".py" else data)
+    return hash_named_sources((Path(p).name, Path(p).read_bytes()) for p in paths)
+
+
+def hash_named_sources(files: Iterable[tuple[str, bytes]]) -> str:
+    """`hash_sources` of files given as (name, bytes): the same code read elsewhere (from
+    git history, `mla-tune rehash --from-git`) hashes the same."""
+    return _hash(files, lambda name, data: code_text(data.decode()).encode()
+                 if name.endswith(".py") else data)
 
 
 def hash_source_bytes(paths: Iterable[Path]) -> str:
     """The hash of the files' bytes, comments included: the scheme results were stored
     under before `hash_sources` (re-keyed by `mla-tune rehash`)."""
-    return _hash(paths, lambda p, data: data)
+    return _hash(((Path(p).name, Path(p).read_bytes()) for p in paths), lambda name, data: data)
 
 
-def _hash(paths: Iterable[Path], content: Callable[[Path, bytes], bytes]) -> str:
-    """sha256 over each file's name and `content` (of its bytes), in name order."""
+def _hash(files: Iterable[tuple[str, bytes]], content: Callable[[str, bytes], bytes]) -> str:
+    """sha256 over each file's name and `content` (of its bytes), in name order: where
+    the files lie (a checkout, site-packages) never changes the hash."""
     h = hashlib.sha256()
-    for p in sorted(Path(p) for p in paths):
-        h.update(p.name.encode())
-        h.update(content(p, p.read_bytes()))
+    for name, data in sorted(files, key=lambda f: f[0]):
+        h.update(name.encode())
+        h.update(content(name, data))
     return h.hexdigest()[:16]

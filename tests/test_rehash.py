@@ -5,14 +5,17 @@ it cannot delete them."""
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 from typer.testing import CliRunner
 
-from mla_tune.backends import get_backend
+from mla_tune.backends import get_backend, register
 from mla_tune.cli import app
 from mla_tune.db import SourceRow, TuningStore
 from mla_tune.rehash import plan
 from tests.db.conftest import GPU, SHAPE, SHAPE_KEY, STACK
+from tests.fixtures.toy_backends import ToyBackend
 
 runner = CliRunner()
 
@@ -99,3 +102,74 @@ def test_messages_stay_whole_at_any_width_and_path_length(tmp_path, monkeypatch)
     assert refused.exit_code != 0
     assert "run `mla-tune rehash --yes` first" in refused.output
     assert str(path) in refused.output
+
+
+class GitToyBackend(ToyBackend):
+    """The toy family with its source in a git checkout of the test's own."""
+
+    name = "gittoy"
+    source = Path()
+
+    def source_files(self) -> list[Path]:
+        return [self.source]
+
+
+def _git(cwd: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd,
+                   check=True, capture_output=True)
+
+
+def test_from_git_renames_results_of_the_same_files_at_an_earlier_revision(
+        tmp_path, monkeypatch) -> None:
+    import mla_tune.backends as backends
+
+    # Registered for this test only: other tests list every registered family.
+    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
+    monkeypatch.setattr(backends, "_instances", dict(backends._instances))
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    src = repo / "kernel.py"
+    src.write_text("def f():\n    return 1\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", "kernel.py")
+    _git(repo, "commit", "-qm", "kernel")
+    register("gittoy", "tests.test_rehash:GitToyBackend")
+    monkeypatch.setattr(GitToyBackend, "source", src)
+    backend = get_backend("gittoy")
+    old = backend.source_hash()
+    path = tmp_path / "t.db"
+    with TuningStore(str(path)) as store:
+        dev, sw = store.device_id(GPU), store.software_id(STACK)
+        store.record_trial(device_id=dev, software_id=sw, shape_key=SHAPE_KEY,
+                           shape_json=SHAPE, kv_format="bf16", backend="gittoy",
+                           source_hash=old, config={"i": 0}, status="ok",
+                           stats={"median_us": 5.0})
+        store.update_winner(dev, sw, SHAPE_KEY, {"gittoy": old})
+    src.write_text("import os\n\n\ndef f():\n    return 1\n")  # a refactor: new code hash
+    new = backend.source_hash()
+    assert new != old
+
+    bad = runner.invoke(app, ["rehash", "--db", str(path), "--from-git", "no-such-rev"])
+    assert bad.exit_code == 2 and "cannot read revision 'no-such-rev'" in bad.output
+    done = runner.invoke(app, ["rehash", "--db", str(path), "--from-git", "HEAD", "--yes"])
+    assert done.exit_code == 0, done.output
+    assert "renamed 1 trials, 1 winners" in done.output
+    with TuningStore(str(path), read_only=True) as ro:
+        assert [w.source_hash for w in ro.winners()] == [new]
+    again = runner.invoke(app, ["rehash", "--db", str(path), "--from-git", "HEAD"])
+    assert again.exit_code == 0 and "nothing to rehash" in again.output
+
+
+def test_source_hashes_do_not_depend_on_where_the_files_lie(tmp_path) -> None:
+    from mla_tune.source_hash import hash_sources
+
+    a, b = tmp_path / "a" / "z", tmp_path / "b"
+    a.mkdir(parents=True)
+    b.mkdir()
+    (a / "k.py").write_text("x = 1\n")
+    (b / "glue.py").write_text("y = 2\n")
+    (tmp_path / "k.py").write_text("x = 1\n")
+    (tmp_path / "zz").mkdir()
+    (tmp_path / "zz" / "glue.py").write_text("y = 2\n")
+    assert hash_sources([a / "k.py", b / "glue.py"]) == \
+        hash_sources([tmp_path / "zz" / "glue.py", tmp_path / "k.py"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -69,6 +70,12 @@ def source_hash_pairs() -> dict[str, tuple[str, str]]:
     """(bytes hash, code hash) of every backend that can be loaded here: results stored
     under the first are this checkout's code under its old name (`mla-tune rehash`)."""
     return _per_backend(lambda b: (b.source_bytes_hash(), b.source_hash()))
+
+
+def source_files() -> dict[str, list[Path]]:
+    """The files each loadable backend's source hash is made of (`mla-tune rehash
+    --from-git` hashes them as an earlier revision held them)."""
+    return _per_backend(lambda b: list(b.source_files()))
 
 
 EXTRA_BACKENDS_ENV = "MLA_TUNE_EXTRA_BACKENDS"
