@@ -852,20 +852,31 @@ def prune(
 def rehash(
     db: str | None = typer.Option(None, help=DB_HELP),
     yes: bool = typer.Option(False, "--yes", help="Rename them; without it, only list them."),
+    from_git: str | None = typer.Option(None, "--from-git", help="Instead: results of the same files as they were at this git revision (e.g. HEAD~3), after a change that keeps what every stored variant runs (a move, rewritten imports, a refactor); say why in the commit."),
 ) -> None:
     """Give results stored under the old bytes hash of this checkout's kernel sources the
     current (code-only) hash, so they count as current again."""
-    from mla_tune.backends import source_hash_pairs
-    from mla_tune.rehash import find
+    from mla_tune.backends import source_files, source_hash_pairs, source_hashes
+    from mla_tune.rehash import GitRevisionError, find, git_hash_pairs
     from mla_tune.rehash import rehash as rehash_sources
+    from mla_tune.source_hash import hash_named_sources
 
+    if from_git is not None:
+        try:
+            pairs = git_hash_pairs(from_git, source_files(), hash_named_sources,
+                                   source_hashes())
+        except GitRevisionError as exc:
+            fail(str(exc))
+        old_name = f"their hash at {from_git}"
+    else:
+        pairs, old_name = source_hash_pairs(), "their bytes hash"
     store = _existing_store(db)
-    rekeys = find(store, source_hash_pairs())
+    rekeys = find(store, pairs)
     if not rekeys:
         console.print(f"nothing to rehash in {store.url}: no stored source is this "
-                      "checkout's code under its bytes hash")
+                      f"checkout's code under {old_name}")
         return
-    console.print(_listing(f"sources of this checkout stored under their bytes hash in "
+    console.print(_listing(f"sources of this checkout stored under {old_name} in "
                            f"{store.url}", ("backend", "stored as", "renamed to", "trials"),
                            [(r.backend, r.old[:12], r.new[:12], r.trials) for r in rekeys]))
     if not yes:
