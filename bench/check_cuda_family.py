@@ -16,12 +16,11 @@ import json
 import sys
 import time
 
+import benchkit
 import torch
 
 from mla_tune.backends import get_backend
-from mla_tune.problem import KVFormat, Shape, generate_input
-from mla_tune.reference import mla_decode_reference
-from mla_tune.verify import check, tolerance_for
+from mla_tune.problem import KVFormat, Shape
 
 RAGGED = (5, 33, 64, 300, 1027, 1500)
 
@@ -52,9 +51,8 @@ def main() -> int:
     t0 = time.time()
     for shape in cases([f for f in KVFormat if not backend.supports(Shape.uniform(
             1, 64, kv_format=f))]):
-        data = generate_input(shape, seed=1, device=dev)
-        ref = mla_decode_reference(*data, kv_format=shape.kv_format)
-        tol = tolerance_for(shape.kv_format)
+        data = benchkit.task_input(shape, dev, seed=1)
+        ref = benchkit.reference(data, shape.kv_format)
         worst = 0.0
         for config in backend.candidates(shape, dev):
             row = {"shape": shape.key, "config": config}
@@ -65,7 +63,7 @@ def main() -> int:
                 try:
                     out = backend.build(shape, config, dev)(data)
                     torch.cuda.synchronize()
-                    res = check(out, ref, tol)
+                    res = benchkit.check(out, ref, shape.kv_format)
                     row.update(ok=res.ok, max_abs_err=res.max_abs_err,
                                mismatch_frac=res.mismatch_frac, reason=res.reason)
                 except Exception as e:  # noqa: BLE001 - reported per run

@@ -14,19 +14,14 @@ encoding them on every launch.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import benchkit
+import torch
+import triton
+import triton.language as tl
+from read_floor import LAYOUT, stream_tiles, time_layout
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from mla_tune.timing import CudaTimer, TimingPolicy  # noqa: E402
-from read_floor import LAYOUT, graphed, stream_tiles, time_layout  # noqa: E402
+from mla_tune.timing import CudaTimer, TimingPolicy
 
 
 @triton.jit
@@ -81,7 +76,7 @@ def main() -> None:
                                              DB=width - da, STAGES=stages, num_warps=4,
                                              num_stages=stages)
 
-        own_graph = graphed(own)
+        own_graph = benchkit.graphed(own)
         rounds = []
         for _ in range(2):
             host = time_layout(cache, fmt, programs, tiles_per_prog, bn, stages, timer)

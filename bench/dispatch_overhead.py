@@ -1,5 +1,5 @@
 """Per-call host overhead of `mla_tune.Dispatcher` over calling the winning kernel directly,
-and a CUDA-graph capture of a dispatched call (issue 4's benchmark).
+and a CUDA-graph capture of a dispatched call.
 
 Self-contained: unless `--winners FILE` is given it tunes the shape in-process (the real
 sweep, a small random budget, a temporary SQLite DB), exports the winners JSON, and loads
@@ -30,19 +30,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import benchkit
+import torch
 
-import torch  # noqa: E402
-
-from mla_tune.backends import get_backend, register  # noqa: E402
-from mla_tune.backends.base import Availability, Backend, KernelFn  # noqa: E402
-from mla_tune.dispatch import Dispatcher  # noqa: E402
-from mla_tune.fingerprint import current_device, current_software  # noqa: E402
-from mla_tune.problem import Shape, TaskInput, generate_input  # noqa: E402
-from mla_tune.space import ParamSpace  # noqa: E402
-from mla_tune.timing import CudaTimer, TimingPolicy  # noqa: E402
-from mla_tune.winners_json import WinnerRecord  # noqa: E402
+from mla_tune.backends import get_backend, register
+from mla_tune.backends.base import Availability, Backend, KernelFn
+from mla_tune.dispatch import Dispatcher
+from mla_tune.fingerprint import current_device, current_software
+from mla_tune.problem import Shape, TaskInput
+from mla_tune.space import ParamSpace
+from mla_tune.timing import CudaTimer, TimingPolicy
+from mla_tune.winners_json import WinnerRecord
 
 
 class NoopBackend(Backend):
@@ -124,7 +122,7 @@ def graph_check(dispatcher: Dispatcher, data: TaskInput, shape: Shape) -> list[s
     torch.cuda.synchronize()
     lines = [f"- replay vs eager, same inputs: equal={torch.equal(static_out, eager)}, "
              f"max abs diff {(static_out.float() - eager.float()).abs().max().item():.3g}"]
-    fresh = generate_input(shape, seed=1, device=data[0].device)
+    fresh = benchkit.task_input(shape, data[0].device, seed=1)
     data[0].copy_(fresh[0])
     data[1][shape.kv_format.value].copy_(fresh[1][shape.kv_format.value])
     graph.replay()
@@ -168,7 +166,7 @@ def main() -> None:
                                          check_inputs=False)
     decision = dispatcher.decide(shape)
     direct = get_backend(decision.backend).build(shape, decision.config, torch.device(device))
-    data = generate_input(shape, seed=0, device=device)
+    data = benchkit.task_input(shape, device)
     dispatcher.run(data)  # route and build once, outside any measurement
     unchecked.run(data)
     direct(data)

@@ -20,17 +20,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import benchkit
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from mla_tune import quant  # noqa: E402
-from mla_tune.backends.flashinfer_backend import FlashInferBackend  # noqa: E402
-from mla_tune.evaluate import TrialOutcome, evaluate  # noqa: E402
-from mla_tune.problem import KVFormat, Shape, TaskInput  # noqa: E402
-from mla_tune.reference import mla_decode_reference  # noqa: E402
-from mla_tune.timing import TimingPolicy, make_timer  # noqa: E402
-from mla_tune.verify import tolerance_for  # noqa: E402
+from mla_tune.backends.flashinfer_backend import FlashInferBackend
+from mla_tune.evaluate import TrialOutcome, evaluate
+from mla_tune.problem import KVFormat, Shape
+from mla_tune.timing import TimingPolicy, make_timer
+from mla_tune.verify import tolerance_for
 
 POLICY = TimingPolicy(warmup=3, min_runs=20, max_runs=200, target_rse=0.005, budget_s=0.15)
 
@@ -40,19 +37,6 @@ class Row:
     shape: Shape
     config: dict[str, object]
     outcome: TrialOutcome
-
-
-def device_input(shape: Shape, device: torch.device, seed: int = 0) -> TaskInput:
-    """The task tuple with bf16 and fp8 KV, generated on the GPU (CPU generation of the
-    largest shapes takes longer than the whole sweep)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn((shape.total_q, shape.heads, 576), generator=gen, device=device,
-                    dtype=torch.float32).to(torch.bfloat16)
-    kv = torch.randn((shape.total_kv, 1, 576), generator=gen, device=device,
-                     dtype=torch.float32).to(torch.bfloat16)
-    qo = torch.arange(0, shape.total_q + 1, shape.q_len, dtype=torch.int32, device=device)
-    kv_indptr = torch.cumsum(torch.tensor((0,) + shape.kv_lens), 0).to(torch.int32).to(device)
-    return q, {"bf16": kv, "fp8": quant.quantize_fp8(kv)}, qo, kv_indptr, shape.task_config()
 
 
 def variants(fmt: KVFormat, backends: list[str], pages: list[int], launches: list[str],
@@ -151,10 +135,10 @@ def sweep(args: argparse.Namespace) -> None:
     rows: list[Row] = []
     # Shape by shape, both formats each, so that a run cut short still has whole shapes.
     for kv_len, batch in itertools.product(args.kvs, args.batches):
-        data = device_input(Shape.uniform(batch, kv_len), dev)
+        data = benchkit.task_input(Shape.uniform(batch, kv_len), dev)
         for fmt in map(KVFormat, args.formats):
             shape = Shape.uniform(batch, kv_len, kv_format=fmt)
-            ref = mla_decode_reference(*data[:4], data[4], kv_format=fmt)
+            ref = benchkit.reference(data, fmt)
             for config in variants(fmt, args.backends, args.pages, args.launches, args.scales):
                 outcome = evaluate(backend, shape, config, dev, data, ref, tolerance_for(fmt),
                                    timer)

@@ -2,9 +2,9 @@
 
 The leaderboard flushes L2 by writing a buffer larger than it (problem.md, "Timing
 protocol"), so the timed kernel starts with an L2 full of dirty lines: each line its reads
-evict is first written back to DRAM, inside the timed region. The read ceiling the issue
-bars are set against (4.58 TB/s, platform.md) was measured on a 4 GiB read without a flush,
-where that write-back is lost in the noise.
+evict is first written back to DRAM, inside the timed region. The device's read ceiling
+(mla_tune/bandwidth.py, the figure reports compare kernels with) is measured on a 4 GiB read
+without a flush, where that write-back is lost in the noise.
 
 This script times one streaming read (mla_tune.bandwidth's read-reduce kernel, replayed from
 a CUDA graph) of each size under two flushes:
@@ -24,18 +24,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import torch
+import triton
+from benchkit import graphed
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from read_floor import graphed  # noqa: E402
-
-from mla_tune.bandwidth import read_reduce  # noqa: E402
-from mla_tune.timing import CudaTimer, TimingPolicy  # noqa: E402
+from mla_tune.bandwidth import read_reduce
+from mla_tune.timing import CudaTimer, TimingPolicy
 
 # Sizes of the bars' caches (MB): 4x1024 bf16, fp8 64/128/256x8192 (= bf16 32/64/128x8192),
 # bf16 256x8192, MXFP4 256x8192; and a few around the L2's size.

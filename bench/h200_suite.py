@@ -2,9 +2,12 @@
 leaderboard ranks it: our best Triton variant, the best library kernel (FlashInfer), the
 torch family, effective bandwidth, % of the read ceiling, and geometric means.
 
-Run on the H200 (see bench/results/ for recorded runs and their exact commands):
-    python3 bench/h200_suite.py --suite seeds --suite leaderboard-v1 --db bench/results/h200.db \
+Run on the H200 (bench/results/triton_kernel.md has recorded runs and their exact commands):
+    python3 bench/h200_suite.py --suite seeds --suite leaderboard-v1 --db tuning.db \
         [--pin triton.num_splits=0,1,4 ...] [--gpus 2]
+With --report-only it sweeps nothing and prints the tables of a DB on any machine, e.g. of
+the shipped H200 results:
+    python3 bench/h200_suite.py --suite seeds --suite leaderboard-v1 --db shipped --report-only
 """
 
 from __future__ import annotations
@@ -15,32 +18,22 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import benchkit
+from rich.console import Console
 
-from mla_tune.backends import backend_names, get_backend, source_hashes  # noqa: E402
-from mla_tune.bandwidth import measure_read_bandwidth  # noqa: E402
-from mla_tune.db import TuningStore  # noqa: E402
-from mla_tune.fingerprint import current_device, current_software  # noqa: E402
-from mla_tune.problem import KVFormat, Shape  # noqa: E402
-from mla_tune.space import parse_pin  # noqa: E402
-from mla_tune.report import geomean  # noqa: E402
-from mla_tune.suites import suite_shapes  # noqa: E402
-from mla_tune.sweep import SweepOptions, run_sweep  # noqa: E402
-from mla_tune.timing import TimingPolicy  # noqa: E402
-from mla_tune.ui import SweepProgress  # noqa: E402
-from rich.console import Console  # noqa: E402
+from mla_tune.backends import backend_names, get_backend, source_hashes
+from mla_tune.bandwidth import measure_read_bandwidth
+from mla_tune.db import TuningStore
+from mla_tune.fingerprint import current_device, current_software
+from mla_tune.problem import KVFormat, Shape
+from mla_tune.report import geomean
+from mla_tune.space import parse_pin
+from mla_tune.suites import suite_shapes
+from mla_tune.sweep import SweepOptions, run_sweep
+from mla_tune.timing import TimingPolicy
+from mla_tune.ui import SweepProgress
 
 OURS, LIBRARY, TORCH = "triton", "flashinfer", "torch"
-
-
-def _best(store: TuningStore, device_id: int, shape: Shape, backend: str,
-          source: str | None) -> float | None:
-    """Best time of `backend` at `shape`, from trials of its current kernel source `source`
-    only (an edited kernel's old trials describe code that no longer exists)."""
-    times = [t.median_us for t in store.trials(device_id=device_id, shape_key=shape.key,
-                                               backend=backend, status="ok")
-             if t.median_us is not None and t.source_hash == source]
-    return min(times) if times else None
 
 
 def _fmt(v: float | None, spec: str = ".1f") -> str:
@@ -60,7 +53,8 @@ def tables(store: TuningStore, device_id: int, shapes: list[Shape], ceiling: flo
                   "ours TB/s | % of read ceiling |", "|---|---|---|---|---|---|---|"]
         cols: dict[str, list[float]] = {OURS: [], LIBRARY: [], TORCH: []}
         for s in group:
-            t = {b: _best(store, device_id, s, b, sources.get(b)) for b in cols}
+            t = {b: benchkit.best_stored_us(store, device_id, s, b, sources.get(b))
+                 for b in cols}
             for b, v in t.items():
                 if v is not None:
                     cols[b].append(v)
@@ -80,7 +74,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", action="append", default=[], help="suite name (repeatable)")
     ap.add_argument("--kv-format", action="append", default=[], help="restrict formats")
-    ap.add_argument("--db", default="bench/results/h200.db")
+    ap.add_argument("--db", default="tuning.db")
     ap.add_argument("--backend", action="append", default=[], help=f"default: {OURS} {LIBRARY} {TORCH}")
     ap.add_argument("--time-budget", type=float, default=0.3, help="timing seconds per candidate")
     ap.add_argument("--budget", type=int, default=None, help="max configs per shape and backend")
@@ -100,7 +94,7 @@ def main() -> None:
         shapes += [s for s in suite_shapes(name, formats) if s not in shapes]
     names = args.backend or [b for b in (OURS, LIBRARY, TORCH) if b in backend_names()]
     backends = [get_backend(n) for n in names]
-    store = TuningStore(args.db)
+    store = TuningStore(args.db, read_only=args.report_only)
     pins: dict[str, dict[str, list]] = {}
     for text in args.pin:
         backend, knob, values = parse_pin(text)

@@ -13,17 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import benchkit
+import torch
 
-import torch  # noqa: E402
-
-import mla_tune.timing as timing  # noqa: E402
-from mla_tune.backends import get_backend  # noqa: E402
-from mla_tune.problem import KVFormat, Shape, generate_input  # noqa: E402
-from mla_tune.timing import CudaTimer, TimingPolicy  # noqa: E402
+import mla_tune.timing as timing
+from mla_tune.backends import get_backend
+from mla_tune.timing import CudaTimer, TimingPolicy
 
 
 def main() -> None:
@@ -33,11 +29,9 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("interleave_check.py times a GPU: no CUDA device here")
-    fmt, dims = args.shape.split(":")
-    batch, kv = (int(x) for x in dims.lower().split("x"))
-    shape = Shape.uniform(batch, kv, kv_format=KVFormat(fmt))
+    shape = benchkit.parse_format_shape(args.shape)
     dev = torch.device("cuda:0")
-    data = generate_input(shape, seed=0, device=dev)
+    data = benchkit.task_input(shape, dev)
     triton = get_backend("triton")
     calls = [lambda f=triton.build(shape, json.loads(c), dev): f(data) for c in args.configs]
     timer = CudaTimer(dev, TimingPolicy(warmup=3, min_runs=20, max_runs=500, budget_s=0.15))

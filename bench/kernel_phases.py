@@ -16,11 +16,9 @@ a kernel change that moves one fails loudly); a probe waits for the value it dep
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import probed_kernel  # noqa: E402
+import benchkit
+import probed_kernel
 
 PHASES = ("bounds loaded", "query block loaded", "last tile in registers",
           "its QK^T done", "KV loop done", "epilogue done")
@@ -71,12 +69,10 @@ def probed_module():
 def main() -> None:
     import torch
 
-    from kernel_probe import parse_variant
-
     md = probed_module()
     for text in sys.argv[1:]:
-        fmt, _, _, cfg = parse_variant(text)
-        if fmt == "mxfp4" or cfg.tma():
+        shape, cfg = benchkit.parse_variant(text)
+        if shape.kv_format.value == "mxfp4" or cfg.tma():
             raise SystemExit(f"{text}: only bf16/fp8 variants with pointer loads are probed")
         launcher, call = probed_kernel.probed_launcher(md, text)
         runs = [t[:, :7] for t in probed_kernel.debug_rows(launcher, call)]

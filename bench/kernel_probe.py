@@ -3,7 +3,10 @@ a dev script for kernel work, not a test and not the tuner.
 
 Each variant is `FORMAT:BATCHxKV:key=value,...` with KernelConfig's fields as keys, e.g.
 `fp8:256x8192:compute=fp16,block_n=32,num_stages=3,num_splits=1,fast_mode=1`. Every variant
-is checked against the float32 reference before it is timed (cold L2, the tuner's timer).
+runs on the task's inputs and is judged by the sweep's gate against the float32 reference
+before it is timed (cold L2, the tuner's timer); each line gives its median, minimum,
+effective TB/s and the share of the device's read ceiling (the one the shipped DB stores
+for it, else measured).
 
     python3 bench/kernel_probe.py VARIANT [VARIANT ...]            # time each
     ncu --kernel-name mla_decode_kernel python3 bench/kernel_probe.py --once VARIANT ...
@@ -22,59 +25,14 @@ after the checkout's, so an edit is compared with what it replaces in one run:
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from dataclasses import fields
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import benchkit
+import torch
 
-import torch  # noqa: E402
-
-from kernels.triton import mla_decode  # noqa: E402
-from kernels.triton.mla_decode import KernelConfig  # noqa: E402
-from mla_tune.problem import KVFormat  # noqa: E402
-from mla_tune.timing import CudaTimer, TimingPolicy  # noqa: E402
-from triton_dev import CEILING_TBS, make_inputs, reference  # noqa: E402
-
-
-def parse_variant(text: str) -> tuple[str, int, int, KernelConfig]:
-    """'fmt:BxKV:k=v,...' -> (format, batch, kv_len, config)."""
-    fmt, shape, *rest = text.split(":")
-    batch, kv_len = (int(x) for x in shape.lower().split("x"))
-    types = {f.name: f.type for f in fields(KernelConfig)}
-    kw: dict[str, object] = {"kv_format": fmt}
-    for item in (rest[0].split(",") if rest and rest[0] else []):
-        key, val = item.split("=")
-        if key not in types:
-            raise SystemExit(f"unknown knob {key!r}; KernelConfig has {sorted(types)}")
-        t = types[key]
-        kw[key] = (val if t in ("str", str) else
-                   bool(int(val)) if t in ("bool", bool) else int(val))
-    return fmt, batch, kv_len, KernelConfig(**kw)
-
-
-def load_kernel(path: Path) -> ModuleType:
-    """A kernel source file (another version of kernels/triton/mla_decode.py) as a module of
-    its own, so its kernels compile and run next to the checkout's."""
-    spec = importlib.util.spec_from_file_location(f"mla_decode_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"--baseline {path}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def config_in(md: ModuleType, cfg: KernelConfig) -> Any:
-    """`cfg` as the KernelConfig of kernel module `md` (another version of the kernel; knobs
-    it does not have are left out)."""
-    return md.KernelConfig(**{f.name: getattr(cfg, f.name) for f in fields(cfg)
-                              if f.name in md.KernelConfig.__dataclass_fields__})
+from kernels.triton import mla_decode
+from mla_tune.timing import CudaTimer, TimingPolicy
 
 
 def main() -> None:
@@ -88,38 +46,35 @@ def main() -> None:
     a = ap.parse_args()
     kernels: list[tuple[str, ModuleType]] = [("", mla_decode)]
     if a.baseline:
-        kernels.append((" [baseline]", load_kernel(a.baseline)))
+        kernels.append((" [baseline]", benchkit.load_kernel(a.baseline)))
     timer = None if a.once else CudaTimer(torch.device("cuda"), TimingPolicy(
         warmup=3, min_runs=20, max_runs=300, budget_s=a.budget))
-    cache: dict[tuple, tuple] = {}
+    ceiling = None if a.once else benchkit.read_ceiling_gbps()
+    cache: dict[str, tuple] = {}
     for text in a.variants:
-        fmt, batch, kv_len, cfg = parse_variant(text)
-        key = (fmt, batch, kv_len)
-        if key not in cache:
+        shape, cfg = benchkit.parse_variant(text, a.heads)
+        if shape.key not in cache:
             cache.clear()
             torch.cuda.empty_cache()
-            q, args, qo, kvp = make_inputs(batch, kv_len, a.heads, fmt, "cuda")
-            cache[key] = (q, args, qo, kvp, reference(q, args, fmt, batch, kv_len))
-        q, args, qo, kvp, ref = cache[key]
+            data = benchkit.task_input(shape)
+            cache[shape.key] = (benchkit.launcher_args(data, shape.kv_format), data,
+                                benchkit.reference(data, shape.kv_format))
+        args, data, ref = cache[shape.key]
         for tag, md in kernels:
-            launcher = md.MlaDecodeLauncher(config_in(md, cfg), heads=a.heads, q_len=1,
-                                            kv_lens=[kv_len] * batch, device="cuda")
-            launcher.prepare(args[2].stride(0) if args[2] is not None else 0)
-            out = launcher(q, *args, qo, kvp).float()
-            err = (out - ref).abs()
-            bad = float((err > 1e-2 + 1e-2 * ref.abs()).float().mean())
-            line = f"{text + tag:90} err {float(err.max()):.3g} mism {bad:.2%}"
+            launcher = benchkit.prepared_launcher(md, cfg, shape, data)
+            res = benchkit.check(launcher(*args), ref, shape.kv_format)
+            line = (f"{text + tag:90} {'ok' if res.ok else 'WRONG'} err {res.max_abs_err:.3g} "
+                    f"mism {res.mismatch_frac:.2%}")
             if a.once:
-                launcher(q, *args, qo, kvp)
+                launcher(*args)
                 torch.cuda.synchronize()
             else:
-                st = timer.measure(lambda: launcher(q, *args, qo, kvp))
-                tbs = batch * kv_len * KVFormat(fmt).bytes_per_token / st.median_us / 1e6
+                st = timer.measure(lambda: launcher(*args))
+                gbps = shape.kv_bytes / st.median_us / 1e3
                 line += (f"  median {st.median_us:8.1f} us  min {st.min_us:8.1f}  "
-                         f"{tbs:5.2f} TB/s {100 * tbs / CEILING_TBS:5.1f}%  "
+                         f"{gbps / 1e3:5.2f} TB/s {100 * gbps / ceiling:5.1f}%  "
                          f"splits {launcher.n_splits}")
             print(line, flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -7,24 +7,19 @@ mma.sync) before any device time is spent.
 
     python3 bench/kernel_ptx_stats.py VARIANT [VARIANT ...] [--heads 16] [--dump DIR]
 
-Variants use bench/kernel_probe.py's syntax (`format:BxKV:knobs`; the shape is ignored), so
-the same strings can be compiled here and timed there.
+Variants use bench/kernel_probe.py's syntax (`format:BxKV:knobs`, `benchkit.parse_variant`;
+the shape is ignored), so the same strings can be compiled here and timed there.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import benchkit
 
-from kernel_probe import parse_variant  # noqa: E402
-
-from kernels.triton.static_check import compile_split, usage  # noqa: E402
+from kernels.triton.static_check import compile_split, usage
 
 COUNTED = ("mma.sync", "wgmma.mma_async", "ldmatrix", "ld.shared", "ld.shared.v4",
            "ld.shared.b8", "st.shared.b8", "st.shared.b16", "st.shared.b32", "st.shared.v2",
@@ -66,7 +61,7 @@ def main() -> None:
     ap.add_argument("--dump", type=Path, help="also write each variant's PTX and TTGIR here")
     a = ap.parse_args()
     for text in a.variants:
-        kernel = compile_split(parse_variant(text)[3], "cuda:90", a.heads)
+        kernel = compile_split(benchkit.parse_variant(text)[1], "cuda:90", a.heads)
         nonzero = " ".join(f"{k}={v}" for k, v in stats(kernel).items() if v)
         print(f"{text}\n    {nonzero}", flush=True)
         if a.dump:

@@ -1,6 +1,6 @@
 """Multi-GPU sweep scaling: the same sweep with `--gpus 2` and `--gpus 1`, each on a fresh
-tuning DB and fresh compile caches; prints both wall times and the speedup (issue 6's
-target on the two-GPU H200 machine: >= 1.8x on leaderboard-v1, bf16 KV).
+tuning DB and fresh compile caches; prints both wall times and the speedup (the target on the two-GPU H200 machine: >= 1.8x on
+leaderboard-v1, bf16 KV).
 
 On the device machine, from the repository root (see ../shared/docs/platform.md):
 
@@ -29,11 +29,10 @@ from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchkit import ROOT
 
-from mla_tune.db import TuningStore  # noqa: E402
-from mla_tune.report import geomean  # noqa: E402
+from mla_tune.db import TuningStore
+from mla_tune.report import geomean
 
 TARGET = 1.8
 _SEED_BANDWIDTH = """

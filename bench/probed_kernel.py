@@ -9,18 +9,13 @@ point must occur exactly once, so a kernel change that moves one fails loudly.
 from __future__ import annotations
 
 import functools
-import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from kernel_probe import config_in, load_kernel, parse_variant  # noqa: E402
+import benchkit
 
 DEBUG_WORDS = 8
 """int64 words of the debug buffer per split program."""
@@ -38,8 +33,12 @@ _DEBUG_BUFFER: list[Patch] = [
      '''0, torch.bfloat16, f32, f32, i32, torch.int64, heads,'''),
     ('''                      self.part_lse, self.counters, self.heads,''',
      '''                      self.part_lse, self.counters, self.dbg, self.heads,'''),
-    ('''        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)''',
-     '''        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)
+    ('''dtype=torch.int32,
+                                    device=device)
+        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)''',
+     '''dtype=torch.int32,
+                                    device=device)
+        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)
         self.dbg = torch.zeros(%d * self.batch * self.row_blocks * self.n_splits,
                                dtype=torch.int64, device=device)''' % DEBUG_WORDS),
 ]
@@ -95,28 +94,25 @@ def at_program_end(stmts: Sequence[str]) -> Patch:
 def probed_module(patches: Sequence[Patch], name: str) -> ModuleType:
     """kernels/triton/mla_decode.py with the debug buffer and `patches` applied in order,
     imported from a temporary file `name`.py."""
-    src = (ROOT / "kernels" / "triton" / "mla_decode.py").read_text()
+    src = (benchkit.ROOT / "kernels" / "triton" / "mla_decode.py").read_text()
     for old, new in [*_DEBUG_BUFFER, *patches]:
         if src.count(old) != 1:
             raise SystemExit(f"the kernel changed: patch point not found once:\n{old[:200]}")
         src = src.replace(old, new)
     path = Path(tempfile.mkdtemp()) / f"{name}.py"
     path.write_text(src)
-    return load_kernel(path)
+    return benchkit.load_kernel(path)
 
 
 def probed_launcher(md: ModuleType, text: str, heads: int = 16
                     ) -> tuple[Any, Callable[[], Any]]:
     """The launcher of variant `text` (kernel_probe's syntax) from probed module `md`,
-    compiled, and a call of it on fresh inputs."""
-    from triton_dev import make_inputs
-
-    fmt, batch, kv_len, cfg = parse_variant(text)
-    q, args, qo, kvp = make_inputs(batch, kv_len, heads, fmt, "cuda")
-    launcher = md.MlaDecodeLauncher(config_in(md, cfg), heads=heads, q_len=1,
-                                    kv_lens=[kv_len] * batch, device="cuda")
-    launcher.prepare()
-    return launcher, lambda: launcher(q, *args, qo, kvp)
+    compiled, and a call of it on the task's inputs."""
+    shape, cfg = benchkit.parse_variant(text, heads)
+    data = benchkit.task_input(shape)
+    args = benchkit.launcher_args(data, shape.kv_format)
+    launcher = benchkit.prepared_launcher(md, cfg, shape, data)
+    return launcher, lambda: launcher(*args)
 
 
 @functools.cache

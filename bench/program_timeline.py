@@ -15,11 +15,9 @@ one fails loudly).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import probed_kernel  # noqa: E402
+import benchkit
+import probed_kernel
 
 PATCHES = [
     probed_kernel.register_readers({"_gtime": ("globaltimer", 64), "_smid": ("smid", 32)}),
@@ -46,11 +44,9 @@ def probed_module():
 def main() -> None:
     import torch
 
-    from kernel_probe import parse_variant
-
     md = probed_module()
     for text in sys.argv[1:]:
-        if parse_variant(text)[0] == "mxfp4":
+        if benchkit.parse_variant(text)[0].kv_format.value == "mxfp4":
             raise SystemExit(f"{text}: only bf16/fp8 variants are probed")
         launcher, call = probed_kernel.probed_launcher(md, text)
         rows = [t[t[:, 1] > 0][:, :5].double()

@@ -8,14 +8,11 @@ and the fastest, the value reports compare kernels with. A dev script (run on th
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import benchkit  # noqa: F401 - imports mla_tune from this checkout only
+import torch
 
-import torch  # noqa: E402
-
-from mla_tune.bandwidth import reader_rates  # noqa: E402
+from mla_tune.bandwidth import reader_rates
 
 
 def main() -> None:

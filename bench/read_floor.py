@@ -11,9 +11,10 @@ Two ways to cut the cache into programs are timed:
 
     python3 bench/read_floor.py fp8:128x8192 fp8:64x8192 bf16:128x8192 ...
 
-It prints one row per shape: the best of each layout (tile size, pipeline depth and split
-count searched), next to the committed winner (mla_tune/winners.json): the time it was
-stored with, and its time in this run, on random inputs like bench/kernel_probe.py's.
+It prints one row per shape: the time of its bytes at the device's read ceiling ("ideal"),
+the best of each layout (tile size, pipeline depth and split count searched), and the
+committed winner (mla_tune/winners.json): the time it was stored with, and its time in this
+process, on the task's inputs.
 - The gap between the winner and the split-layout floor is what a kernel with this program
   layout could still win.
 - The gap between the split and even floors is what rebalancing could win.
@@ -27,23 +28,17 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
-from collections.abc import Callable
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import benchkit
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
-
-from kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher  # noqa: E402
-from mla_tune.problem import KVFormat  # noqa: E402
-from mla_tune.timing import CudaTimer, TimingPolicy  # noqa: E402
-from triton_dev import CEILING_TBS, make_inputs  # noqa: E402
+from kernels.triton import mla_decode
+from kernels.triton.mla_decode import KernelConfig
+from mla_tune.problem import Shape
+from mla_tune.timing import CudaTimer, TimingPolicy
 
 # (element dtype, row elements, first box width): each token's row is read as two boxes,
 # like the MLA kernel's nope and rope parts (a TMA box is at most 256 elements wide, and
@@ -88,25 +83,13 @@ def time_layout(cache: torch.Tensor, fmt: str, programs: int, tiles_per_prog: in
                                 DB=width - da, STAGES=stages, num_warps=4,
                                 num_stages=stages)
 
-    return timer.measure(graphed(run)).median_us
-
-
-def graphed(launch: Callable[[], None]) -> Callable[[], None]:
-    """`launch` captured in a CUDA graph, returned as its replay: a timed call then costs no
-    Python launch work (tens of µs through Triton's JIT path, descriptors included), which
-    the timer's L2 flush hides only while it is shorter than the flush."""
-    launch()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        launch()
-    return graph.replay
+    return timer.measure(benchkit.graphed(run)).median_us
 
 
 @functools.cache
 def _committed() -> list[dict]:
     """The committed winners (mla_tune/winners.json), read once."""
-    return json.loads((ROOT / "mla_tune" / "winners.json").read_text())["winners"]
+    return json.loads((benchkit.ROOT / "mla_tune" / "winners.json").read_text())["winners"]
 
 
 def committed_winner(fmt: str, batch: int, kv: int) -> dict | None:
@@ -119,14 +102,15 @@ def committed_winner(fmt: str, batch: int, kv: int) -> dict | None:
     return None
 
 
-def time_winner(w: dict, fmt: str, batch: int, kv: int, timer: CudaTimer) -> float:
-    """Median µs of the winner's variant in this process."""
+def time_winner(w: dict, shape: Shape, timer: CudaTimer) -> float:
+    """Median µs of the winner's variant in this process, on the task's inputs."""
     fields = KernelConfig.__dataclass_fields__
-    cfg = KernelConfig(kv_format=fmt, **{k: v for k, v in w["config"].items() if k in fields})
-    q, args, qo, kvp = make_inputs(batch, kv, 16, fmt, "cuda")
-    launcher = MlaDecodeLauncher(cfg, heads=16, q_len=1, kv_lens=[kv] * batch, device="cuda")
-    launcher.prepare(args[2].stride(0) if args[2] is not None else 0)
-    return timer.measure(lambda: launcher(q, *args, qo, kvp)).median_us
+    cfg = KernelConfig(kv_format=shape.kv_format.value,
+                       **{k: v for k, v in w["config"].items() if k in fields})
+    data = benchkit.task_input(shape)
+    args = benchkit.launcher_args(data, shape.kv_format)
+    launcher = benchkit.prepared_launcher(mla_decode, cfg, shape, data)
+    return timer.measure(lambda: launcher(*args)).median_us
 
 
 def main() -> None:
@@ -138,14 +122,16 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     timer = CudaTimer(dev, TimingPolicy(warmup=3, min_runs=20, max_runs=300,
                                         budget_s=args.budget))
+    ceiling = benchkit.read_ceiling_gbps()
+    print(f"read ceiling {ceiling:.0f} GB/s; µs")
     print(f"{'shape':16} {'MB':>7} {'ideal':>7} {'split floor':>26} {'even floor':>24} "
           f"{'winner: stored':>14} {'this run':>8}")
     for text in args.shapes:
-        fmt, shape = text.split(":")
-        batch, kv = (int(x) for x in shape.lower().split("x"))
+        shape = benchkit.parse_format_shape(text)
+        fmt, batch, kv = shape.kv_format.value, shape.batch, shape.kv_lens[0]
         dtype, width, _ = LAYOUT[fmt]
         cache = torch.ones((batch * kv, width), dtype=dtype, device=dev)
-        nbytes = batch * kv * KVFormat(fmt).bytes_per_token
+        nbytes = shape.kv_bytes
         split_best = even_best = None
         for bn in (32, 64):
             tiles = kv // bn
@@ -164,10 +150,10 @@ def main() -> None:
                         even_best = (t, f"P={p} BN={bn} st={stages}")
         del cache
         torch.cuda.empty_cache()
-        ideal = nbytes / CEILING_TBS / 1e6
+        ideal = nbytes / ceiling / 1e3
         w = committed_winner(fmt, batch, kv)
         stored = "-" if w is None else f"{w['median_us']:.1f}"
-        now = "-" if w is None else f"{time_winner(w, fmt, batch, kv, timer):.1f}"
+        now = "-" if w is None else f"{time_winner(w, shape, timer):.1f}"
         print(f"{text:16} {nbytes / 1e6:7.1f} {ideal:7.1f} "
               f"{split_best[0]:7.1f} ({split_best[1]:>17}) {even_best[0]:7.1f} "
               f"({even_best[1]:>15}) {stored:>14} {now:>8}", flush=True)

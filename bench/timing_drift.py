@@ -21,16 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import benchkit
+import torch
 
-import torch  # noqa: E402
-
-from kernel_probe import parse_variant  # noqa: E402
-from kernels.triton.mla_decode import MlaDecodeLauncher  # noqa: E402
-from mla_tune.timing import CudaTimer, TimingPolicy  # noqa: E402
-from triton_dev import make_inputs  # noqa: E402
+from kernels.triton import mla_decode
+from mla_tune.timing import CudaTimer, TimingPolicy
 
 BLOCK, ROUNDS, IDLE_AFTER, IDLE_S = 150, 24, (8, 16), 5.0
 SMI_FIELDS = ("timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,"
@@ -47,12 +42,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     runs = []
     for text in args.variants:
-        fmt, batch, kv, cfg = parse_variant(text)
-        q, kv_args, qo, kvp = make_inputs(batch, kv, 16, fmt, "cuda")
-        launcher = MlaDecodeLauncher(cfg, heads=16, q_len=1, kv_lens=[kv] * batch,
-                                     device="cuda")
-        launcher.prepare(kv_args[2].stride(0) if kv_args[2] is not None else 0)
-        runs.append((text, lambda l=launcher, a=(q, *kv_args, qo, kvp): l(*a)))
+        shape, cfg = benchkit.parse_variant(text)
+        data = benchkit.task_input(shape)
+        launcher = benchkit.prepared_launcher(mla_decode, cfg, shape, data)
+        call_args = benchkit.launcher_args(data, shape.kv_format)
+        runs.append((text, lambda f=launcher, a=call_args: f(*a)))
     timer = CudaTimer(torch.device("cuda"), TimingPolicy())
     for _, call in runs:
         for _ in range(3):

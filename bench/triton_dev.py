@@ -1,7 +1,8 @@
 """Time the Triton MLA decode family on a GPU over the suite shapes (a dev script, not a
-test): sweep a few variants and split counts per shape and format, check each against a
-float32 reference, and print shape, format, best config, microseconds, effective TB/s and
-the share of the 4.58 TB/s read ceiling, next to FlashInfer fa3's numbers.
+test): sweep a few variants and split counts per shape and format, judge each by the sweep's
+gate against the float32 reference, and print shape, format, best config, microseconds,
+effective TB/s and the share of the device's read ceiling, next to FlashInfer's best time
+stored for the shape in the shipped tuning DB.
 
     PYTHONUNBUFFERED=1 python3 bench/triton_dev.py --plan quick --out results.jsonl
 """
@@ -11,33 +12,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import multiprocessing
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import benchkit
+import torch
 
-import torch  # noqa: E402
+from kernels.triton import mla_decode
+from kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher
+from mla_tune.problem import Shape
+from mla_tune.timing import CudaTimer, TimingPolicy
 
-from kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher  # noqa: E402
-from mla_tune import quant  # noqa: E402
-from mla_tune.problem import KVFormat  # noqa: E402
-from mla_tune.timing import CudaTimer, TimingPolicy  # noqa: E402
-
-CEILING_TBS = 4.58
-FLASHINFER_US = {  # problem.md, H200 cold L2, q_len 1, 16 heads
-    "bf16": {(4, 1024): 16.8, (32, 1024): 25.0, (64, 1024): 36.8, (128, 1024): 54.2,
-             (256, 1024): 92.8, (4, 8192): 31.4, (32, 8192): 89.6, (64, 8192): 157.2,
-             (128, 8192): 288.1, (256, 8192): 556.6},
-    "fp8": {(4, 1024): 31.8, (32, 1024): 49.3, (64, 1024): 82.9, (128, 1024): 144.8,
-            (256, 1024): 268.3, (4, 8192): 55.7, (32, 8192): 249.0, (64, 8192): 468.2,
-            (128, 8192): 890.9, (256, 8192): 1764.4},
-}
 SUITE = [(4, 1024), (32, 1024), (64, 1024), (128, 1024), (256, 1024),
          (4, 8192), (32, 8192), (64, 8192), (128, 8192), (256, 8192)]
 
@@ -70,46 +57,6 @@ def variants(plan: str, fmt: str) -> list[KernelConfig]:
     keys = list(grid)
     return [KernelConfig(kv_format=fmt, **dict(zip(keys, v)))
             for v in itertools.product(*grid.values())]
-
-
-def make_inputs(batch: int, kv_len: int, heads: int, fmt: str, device: str) -> tuple:
-    """Uniform task inputs on the GPU plus the dequantized float32 cache."""
-    g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn((batch, heads, 576), generator=g, device=device).to(torch.bfloat16)
-    kv = torch.randn((batch * kv_len, 1, 576), generator=g, device=device).to(torch.bfloat16)
-    if fmt == "bf16":
-        args = (kv, None, None)
-    elif fmt == "fp8":
-        k8, sc = quant.quantize_fp8(kv)
-        args = (k8, sc, None)
-        del kv
-    else:
-        k4, s4 = quant.quantize_mxfp4(kv)
-        args = (k4, None, s4)
-        del kv
-    qo = torch.arange(0, batch + 1, dtype=torch.int32, device=device)
-    kvp = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * kv_len
-    return q, args, qo, kvp
-
-
-def reference(q: torch.Tensor, args: tuple, fmt: str, batch: int, kv_len: int) -> torch.Tensor:
-    """float32 reference for uniform q_len 1 batches, chunked over the batch."""
-    out = torch.empty((batch, q.shape[1], 512), dtype=torch.float32, device=q.device)
-    step = max(1, (1 << 22) // kv_len)
-    for b0 in range(0, batch, step):
-        b1 = min(batch, b0 + step)
-        rows = slice(b0 * kv_len, b1 * kv_len)
-        if fmt == "bf16":
-            k = args[0][rows].float()
-        elif fmt == "fp8":
-            k = args[0][rows].float() * args[1]
-        else:
-            r0, r1 = b0 * kv_len, b1 * kv_len
-            k = quant.dequantize_mxfp4(args[0][r0:r1], args[2][r0:r1 + 256])
-        k = k.view(b1 - b0, kv_len, 576)
-        s = torch.einsum("bhd,bkd->bhk", q[b0:b1].float(), k) / math.sqrt(576)
-        out[b0:b1] = torch.einsum("bhk,bkd->bhd", torch.softmax(s, -1), k[..., :512])
-    return out
 
 
 def gpu_only_us(fn, flush: torch.Tensor, n: int = 15) -> float:
@@ -176,12 +123,15 @@ def main() -> None:
     print(f"precompiled {len(jobs)} variants in {time.time() - t0:.1f}s")
     timer = CudaTimer(torch.device("cuda"), TimingPolicy(warmup=2, min_runs=8, max_runs=40,
                                                           budget_s=a.budget))
+    ceiling = benchkit.read_ceiling_gbps()
     out_f = open(a.out, "a")
     table = []
     for fmt in formats:
         for batch, kv_len in shapes:
-            q, args, qo, kvp = make_inputs(batch, kv_len, a.heads, fmt, "cuda")
-            ref = reference(q, args, fmt, batch, kv_len)
+            shape = Shape.uniform(batch, kv_len, heads=a.heads, kv_format=fmt)
+            data = benchkit.task_input(shape)
+            args = benchkit.launcher_args(data, fmt)
+            ref = benchkit.reference(data, fmt)
             best = None
             for cfg0 in variants(a.plan, fmt):
                 for ns in [int(s) for s in a.splits.split(",")]:
@@ -189,61 +139,57 @@ def main() -> None:
                         continue
                     cfg = replace(cfg0, num_splits=ns)
                     try:
-                        launcher = MlaDecodeLauncher(cfg, heads=a.heads, q_len=1,
-                                                     kv_lens=[kv_len] * batch, device="cuda")
-                        launcher.prepare(args[2].stride(0) if args[2] is not None else 0)
-                        out = launcher(q, *args, qo, kvp).float()
-                        err = (out - ref).abs()
-                        bad = float((err > 1e-2 + 1e-2 * ref.abs()).float().mean())
-                        st = timer.measure(lambda: launcher(q, *args, qo, kvp))
+                        launcher = benchkit.prepared_launcher(mla_decode, cfg, shape, data)
+                        res = benchkit.check(launcher(*args), ref, fmt)
+                        st = timer.measure(lambda: launcher(*args))
                     except Exception as e:  # keep sweeping; the failure is recorded
                         print("FAIL", fmt, batch, kv_len, cfg, str(e)[:120])
                         break
                     rec = dict(fmt=fmt, batch=batch, kv=kv_len, heads=a.heads, cfg=asdict(cfg),
                                splits=launcher.n_splits, us=st.median_us, min_us=st.min_us,
-                               max_err=float(err.max()), mismatch=bad)
+                               max_err=res.max_abs_err, mismatch=res.mismatch_frac, ok=res.ok)
                     out_f.write(json.dumps(rec) + "\n")
                     out_f.flush()
-                    if bad <= 0.05 and (best is None or st.median_us < best["us"]):
+                    if res.ok and (best is None or st.median_us < best["us"]):
                         best = rec
             if best:
-                bl = MlaDecodeLauncher(KernelConfig(**best["cfg"]),
-                                       heads=a.heads, q_len=1, kv_lens=[kv_len] * batch,
-                                       device="cuda")
-                bl.prepare(args[2].stride(0) if args[2] is not None else 0)
-                best["gpu_us"] = gpu_only_us(lambda: bl(q, *args, qo, kvp), timer._flush)
+                bl = benchkit.prepared_launcher(mla_decode, KernelConfig(**best["cfg"]), shape,
+                                                data)
+                best["gpu_us"] = gpu_only_us(lambda: bl(*args), timer._flush)
                 out_f.write(json.dumps(dict(best, best=True)) + "\n")
-                tbs = batch * kv_len * KVFormat(fmt).bytes_per_token / best["us"] / 1e6
-                fi = FLASHINFER_US.get(fmt, {}).get((batch, kv_len))
+                gbps = shape.kv_bytes / best["us"] / 1e3
+                fi = benchkit.shipped_best_us(shape, "flashinfer")
                 c = best["cfg"]
                 desc = (f"{c['compute']} bn{c['block_n']} w{c['num_warps']} s{c['num_stages']} "
                         f"sp{best['splits']} fast{int(c['fast_mode'])}")
                 line = (f"{batch}x{kv_len:<5} {fmt:5} {desc:34} {best['us']:8.1f} us "
                         f"(gpu-only {best['gpu_us']:7.1f}) "
-                        f"{tbs:5.2f} TB/s {100 * tbs / CEILING_TBS:5.1f}%  err {best['max_err']:.3g}"
-                        f" mism {best['mismatch']:.3%}  flashinfer {fi}")
+                        f"{gbps / 1e3:5.2f} TB/s {100 * gbps / ceiling:5.1f}%  "
+                        f"err {best['max_err']:.3g} mism {best['mismatch']:.3%}  "
+                        f"flashinfer (shipped DB) {fi}")
                 print(line)
                 table.append(line)
-            del q, args, ref
+            del data, args, ref
             torch.cuda.empty_cache()
     # Per-call host cost of the launch path (no sync): what the timing protocol also pays.
     from triton import knobs
     print("triton launch_enter_hook:", knobs.runtime.launch_enter_hook)
-    q, args, qo, kvp = make_inputs(4, 1024, a.heads, "bf16", "cuda")
+    shape = Shape.uniform(4, 1024, heads=a.heads)
+    data = benchkit.task_input(shape)
+    args = benchkit.launcher_args(data, "bf16")
     for fast in (False, True):
-        launcher = MlaDecodeLauncher(KernelConfig(num_splits=8, fast_mode=fast), heads=a.heads,
-                                     q_len=1, kv_lens=[1024] * 4, device="cuda")
-        launcher.prepare(0)
-        launcher(q, *args, qo, kvp)
+        launcher = benchkit.prepared_launcher(
+            mla_decode, KernelConfig(num_splits=8, fast_mode=fast), shape, data)
+        launcher(*args)
         torch.cuda.synchronize()
         s = time.perf_counter()
         for _ in range(200):
-            launcher(q, *args, qo, kvp)
+            launcher(*args)
         host = (time.perf_counter() - s) / 200 * 1e6
         torch.cuda.synchronize()
         print(f"host launch cost per call (fast_mode={fast}): {host:.1f} us")
         if fast:
-            host_profile(launcher, (q, *args, qo, kvp))
+            host_profile(launcher, args)
     print("\n".join(table))
     print(f"total {time.time() - t0:.0f}s")
 

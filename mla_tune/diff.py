@@ -4,7 +4,7 @@ slowdown exceeds both the measured noise and a minimum relative change.
 
 Why both: the noise of one timing (the 95% CIs of the two winners' means) is what one run
 shows, but the same kernel's time also moves with the moment it is timed (on the H200
-5-10 % for stretches of a second or more: bench/results/h200_runoff_2026-12-01.md) and with
+5-10 % for stretches of a second or more: bench/results/timing_protocol.md) and with
 the machine (platform.md: within 2.4% above 100 us, 7% below). Where a sweep's run-off timed
 a winner twice, the gap between its two timings measures the first of those and counts as
 noise too; the minimum change stands for the rest.

@@ -1,7 +1,7 @@
 """Which of a shape's trials a sweep times again, side by side, before it picks the winner.
 
 A sweep times its candidates one after another. On a GPU, identical code can run 5-10 %
-slower for seconds at a time (on the H200: bench/results/h200_runoff_2026-12-01.md), so
+slower for seconds at a time (on the H200: docs/design/runoff.md), so
 which of two close finalists timed at different moments wins is partly chance, and a
 winner's stored time depends on the moment it was timed. The finalists are timed again in
 one interleaved run (`Timer.measure_interleaved`), at one moment for all of them, and each

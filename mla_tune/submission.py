@@ -8,7 +8,7 @@ a usable file every shape is routed by the dispatcher's heuristics, with a warni
 
 The leaderboard times per-call Python work, so inputs are checked in full on each shape's
 first call only (`check_inputs=False`: the dispatcher then adds 0.60 us per call on the
-H200 host instead of 3.75, bench/results/h200_session_2026-11-30.md): the harness's later
+H200 host instead of 3.75, bench/results/dispatch_overhead.md): the harness's later
 calls of a shape have
 that shape's tensors, as the task defines them.
 """

@@ -5,11 +5,11 @@ and exits non-zero instead of printing CPU figures."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.compiled_child import run_compiled
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
@@ -20,15 +20,13 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine "
                     "without a GPU")
 def test_refuses_without_a_gpu() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "flush_cost.py"), "--mb", "1"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = run_compiled([str(ROOT / "bench" / "flush_cost.py"), "--mb", "1"], timeout=120)
     assert proc.returncode != 0
     assert "no CUDA device" in proc.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times an L2 flush: needs a GPU")
 def test_write_flush_costs_a_large_read_its_write_back() -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
     import flush_cost
 
     from mla_tune.timing import CudaTimer, TimingPolicy

@@ -3,20 +3,16 @@ counts kernel work relies on (which MMA each product lowers to) come out of it."
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 pytest.importorskip("triton")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
+import benchkit  # noqa: E402
 import kernel_ptx_stats as kps  # noqa: E402
 
 
 def _stats(text: str) -> dict[str, int]:
-    return kps.stats(kps.compile_split(kps.parse_variant(text)[3], "cuda:90", heads=16))
+    return kps.stats(kps.compile_split(benchkit.parse_variant(text)[1], "cuda:90", heads=16))
 
 
 def test_bf16_at_32_keys_uses_mma_sync_for_qk_and_wgmma_for_pv() -> None:

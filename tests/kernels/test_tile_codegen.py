@@ -1,6 +1,6 @@
 """What the KV-tile loop compiles to on sm_90 (cross-compiled, no GPU): properties the H200
 speed of the suites rests on, each measured when it landed
-(bench/results/h200_triton_qk_mxfp4_2026-11-30.md), so a kernel edit that loses one fails
+(docs/design/triton_kernel.md), so a kernel edit that loses one fails
 here instead of in the next sweep."""
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ pytest.importorskip("triton")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
+import benchkit  # noqa: E402
 import kernel_ptx_stats as kps  # noqa: E402
 
 
 @functools.cache
 def _compiled(text: str) -> Any:
     """Variant `text` compiled for sm_90 (once per test session: two tests read the fp8 one)."""
-    return kps.compile_split(kps.parse_variant(text)[3], "cuda:90", heads=16)
+    return kps.compile_split(benchkit.parse_variant(text)[1], "cuda:90", heads=16)
 
 
 def _stats(text: str) -> dict[str, int]:

@@ -1,5 +1,5 @@
-"""Experiment (H200, device call 8 of 2026-11-30): does the host descriptors' L2 promotion
-explain why kv_load='tma_host' is slower than per-program descriptors at long launches?
+"""Experiment (H200): does the host descriptors' L2 promotion explain why kv_load='tma_host'
+is slower than per-program descriptors at long launches? (No: bench/results/triton_changes.md.)
 
 Triton's host encoder asks for 128-byte L2 promotion; the per-program descriptors are
 written from a zeroed template (no promotion). This wraps Triton's `fill_tma_descriptor`:
@@ -12,11 +12,9 @@ writes into a Triton object's memory. From the repository root, on a GPU:
     python3 bench/_promo.py "fp8:256x8192:compute=fp8,block_n=64,num_stages=3,num_splits=1,fast_mode=1"
 """
 import ctypes, sys
-sys.path.insert(0, "."); sys.path.insert(0, "bench")
-import torch, triton
+import benchkit
+import torch
 from triton.runtime import driver
-from kernel_probe import parse_variant
-from triton_dev import make_inputs
 from kernels.triton import mla_decode as md
 from mla_tune.timing import CudaTimer, TimingPolicy
 
@@ -61,21 +59,21 @@ def fill(ptr, swizzle, elem_size, elem_type, block, shape, strides, padding):
 utils.fill_tma_descriptor = fill
 timer = CudaTimer(torch.device("cuda"), TimingPolicy(warmup=3, min_runs=20, max_runs=300, budget_s=0.4))
 for text in sys.argv[1:]:
-    fmt, batch, kv_len, cfg = parse_variant(text)
-    q, args, qo, kvp = make_inputs(batch, kv_len, 16, fmt, "cuda")
+    shape, cfg = benchkit.parse_variant(text)
+    data = benchkit.task_input(shape)
+    args = benchkit.launcher_args(data, shape.kv_format)
     outs = {}
     for rnd in (1, 2):
         for load, promo in (("tma", None), ("tma_host", None), ("tma_host", 0), ("tma_host", 2), ("tma_host", 3)):
             PROMO["v"] = promo
             c = md.KernelConfig(**{**cfg.__dict__, "kv_load": load})
-            L = md.MlaDecodeLauncher(c, heads=16, q_len=1, kv_lens=[kv_len] * batch, device="cuda")
-            L.prepare()
-            out = L(q, *args, qo, kvp).float().clone()
+            L = benchkit.prepared_launcher(md, c, shape, data)
+            out = L(*args).float().clone()
             key = (load, promo)
             if key != ("tma", None):
                 d = (out - outs[("tma", None)]).abs().max().item()
             else:
                 outs[key] = out; d = 0.0
-            st = timer.measure(lambda: L(q, *args, qo, kvp))
+            st = timer.measure(lambda: L(*args))
             print(f"r{rnd} {text:75} {load:8} promo={promo} median {st.median_us:7.1f} min {st.min_us:7.1f} maxdiff {d:.2g}", flush=True)
 print(stats)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every H200 figure of bench/results/*_h200_session_*.md comes from this one script, run on
-# the device machine from the repository root (two H200s for the --gpus comparison):
-#     source .device/setup.sh && OUT=/some/dir bash bench/h200_session.sh
+# A time-boxed H200 run of everything at once, from the repository root on the GPU machine
+# (two H200s for the --gpus comparison); the FlashInfer and torch trials of the shipped H200
+# DB come from it (bench/results/flashinfer_baseline.md, torch_family.md):
+#     source .device/setup.sh && OUT=/some/dir bash bench/h200_timeboxed.sh
 # It writes $OUT/tuning.db (all trials and winners), $OUT/winners.json, $OUT/session.log,
 # $OUT/h200_suite.md and $OUT/dispatch_overhead.md. Each step has its own time limit so a
 # slow step cannot cost the others; every trial is stored as soon as it is measured.
@@ -16,9 +17,9 @@ step() { echo; echo "== [$((SECONDS - start)) s] $*"; }
 # Seconds a step may take: its own cap, or what is left before the deadline.
 cap() { local left=$((deadline - (SECONDS - start))); echo $(( $1 < left ? $1 : (left > 5 ? left : 5) )); }
 
-# Narrowed spaces for a time-boxed session: the knob values the Triton development runs
-# found best (bench/results/triton_dev_2026-11-30.md) and FlashInfer's fastest paths
-# (bench/results/flashinfer_2026-11-30.md). The full spaces stay the default.
+# Narrowed spaces for a time-boxed run: the knob values the Triton development runs
+# (bench/triton_dev.py) found best and FlashInfer's fastest paths
+# (bench/results/flashinfer_baseline.md). The full spaces stay the default.
 pins=(--pin triton.block_n=32 --pin triton.num_stages=3 --pin triton.compute=bf16,fp16
       --pin triton.fast_mode=true --pin triton.num_splits=0,1,2,4,8,16
       --pin flashinfer.backend=fa3 --pin flashinfer.launch=direct
@@ -47,15 +48,15 @@ fi
 step "doctor"
 timeout "$(cap 60)" python3 -m mla_tune doctor --device cuda
 
-step "issue 2: torch family, full space, 256x8192 bf16"
+step "torch family, full space, 256x8192 bf16"
 timeout "$(cap 120)" python3 -m mla_tune sweep --shape 256x8192 -f bf16 --device cuda --backend torch \
     --no-baseline --time-budget 0.3 --db "$db"
 
-step "issues 3/5/7: seeds + leaderboard-v1 suites, triton vs flashinfer vs torch"
+step "seeds + leaderboard-v1 suites, triton vs flashinfer vs torch"
 timeout "$(cap 220)" python3 bench/h200_suite.py --suite seeds --suite leaderboard-v1 --db "$db" \
     --gpus "$ngpu" --time-budget 0.2 --out "$out/h200_suite.md" "${pins[@]}"
 
-step "issue 4: dispatcher overhead on the tuned winners"
+step "dispatcher overhead on the tuned winners"
 python3 -m mla_tune export --db "$db" --out "$out/winners.json"
 timeout "$(cap 90)" python3 bench/dispatch_overhead.py --winners "$out/winners.json" \
     --out "$out/dispatch_overhead.md"
@@ -64,14 +65,14 @@ step "report"
 COLUMNS=200 timeout "$(cap 30)" python3 -m mla_tune report --db "$db" --suite leaderboard-v1
 
 if [ "$ngpu" -ge 2 ]; then
-  step "issue 6: --gpus 2 vs --gpus 1, leaderboard-v1 bf16, triton"
+  step "--gpus 2 vs --gpus 1, leaderboard-v1 bf16, triton"
   timeout "$(cap 200)" python3 bench/multi_gpu_sweep.py --backend triton --time-budget 0.2 \
       --out /tmp/mla-tune-multigpu -- "${pins[@]}"
 fi
 
 step "done"
 
-# Second pass of the 2026-11-30 session (the first pass's pins left out FlashInfer's bf16
-# points, which need fp8_scale=host, and Triton's MXFP4 points, whose block_n 32 / 3-stage
-# variant spills): run with the first pass's DB as mla_tune/shipped/tuning.db:
-#     source .device/setup.sh && bash bench/h200_session.sh --second-pass
+# Second pass (the first pass's pins leave out FlashInfer's bf16 points, which need
+# fp8_scale=host, and Triton's MXFP4 points): run with the first pass's DB as
+# mla_tune/shipped/tuning.db:
+#     source .device/setup.sh && bash bench/h200_timeboxed.sh --second-pass
