@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from mla_tune.db import DeletedRows, SourceRow, TuningStore
-from mla_tune.search import study_sources
+from mla_tune.db import BaseTuningStore, DeletedRows, SourceRow
+from mla_tune.optuna_study import delete_studies, study_sources
 
 
 @dataclass(frozen=True)
@@ -57,29 +57,31 @@ def plan(sources: list[SourceRow], studies: Mapping[str, tuple[str, str]],
     return [r for r in retired if r.trials or r.studies]
 
 
-def find_retired(store: TuningStore, current: Mapping[str, str]) -> list[RetiredSource]:
+def find_retired(store: BaseTuningStore, current: Mapping[str, str]) -> list[RetiredSource]:
     """The retired sources in `store`, their trials and studies."""
     return plan(store.sources(), study_sources(store.optuna_storage()), current)
 
 
-def retired_trials(store: TuningStore, current: Mapping[str, str]) -> int:
+def retired_trials(store: BaseTuningStore, current: Mapping[str, str]) -> int:
     """How many trials a prune would delete; reads our tables only, so it works on a store
     opened read-only (Optuna's storage may create its tables)."""
     return sum(r.trials for r in plan(store.sources(), {}, current))
 
 
-def prune(store: TuningStore, retired: list[RetiredSource]) -> PruneResult:
+def prune(store: BaseTuningStore, retired: list[RetiredSource]) -> PruneResult:
     """Delete the studies of `retired`, then its trials and claims (one transaction), then
     compact the file. An interrupted prune leaves only retired rows, which the next one
     finds again."""
-    import optuna
-
-    storage = store.optuna_storage()
-    studies = 0
-    for source in retired:
-        for name in source.studies:
-            optuna.delete_study(study_name=name, storage=storage)
-            studies += 1
+    studies = delete_studies(store.optuna_storage(), [n for r in retired for n in r.studies])
     rows = store.delete_sources([(r.backend, r.source_hash) for r in retired])
     store.compact()
     return PruneResult(rows, studies)
+
+
+def unrenamed_trials(store: BaseTuningStore, pairs: Mapping[str, tuple[str, str]]) -> int:
+    """Trials of this checkout's code still under its old (bytes) hash (`pairs`:
+    `backends.source_hash_pairs()`): a prune must wait for `rehash`, or it would delete
+    them as retired."""
+    from mla_tune.rehash import find
+
+    return sum(r.trials for r in find(store, pairs))

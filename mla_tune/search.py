@@ -1,26 +1,24 @@
 """Search driver: which configs of a backend to measure for a shape, and in what order.
 
 Our trial table is the source of truth (a config measured once for a key is never measured
-again); the Optuna study mirrors every measurement so samplers learn from them and
-optuna-dashboard can show them. `grid` walks the feasible grid in order; `tpe` and `random`
-ask Optuna's samplers, within a budget of distinct measured configs per (key, backend).
+again); the Optuna study (`mla_tune.optuna_study`) mirrors every measurement so samplers
+learn from them and optuna-dashboard can show them. `grid` walks the feasible grid in
+order; `tpe` and `random` ask Optuna's samplers, within a budget of distinct measured
+configs per (key, backend).
 """
 
 from __future__ import annotations
 
 import enum
 import json
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import optuna
 from optuna.distributions import CategoricalDistribution
-
-# Optuna exports no public check; its own optimize loop uses this one.
-from optuna.storages._heartbeat import is_heartbeat_enabled
 from optuna.trial import TrialState
 
+from mla_tune import optuna_study
 from mla_tune.space import ParamSpace, config_key
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -33,31 +31,6 @@ class Strategy(str, enum.Enum):
     GRID = "grid"
     TPE = "tpe"
     RANDOM = "random"
-
-
-def study_name(device_hash: str, software_hash: str, shape_key: str, backend: str,
-               source_hash: str) -> str:
-    """One study per (tuning key, backend), as the DB key defines it."""
-    return f"mla-tune:{device_hash}:{software_hash}:{shape_key}:{backend}:{source_hash}"
-
-
-def study_source(name: str) -> tuple[str, str] | None:
-    """(backend, source hash) of a study named by `study_name`; None for any other study
-    (Optuna studies of other tools may share the database)."""
-    parts = name.split(":")
-    if len(parts) != 6 or parts[0] != "mla-tune":
-        return None
-    return parts[4], parts[5]
-
-
-def study_sources(storage: optuna.storages.BaseStorage) -> dict[str, tuple[str, str]]:
-    """Our studies in `storage`: name -> (backend, source hash)."""
-    found = {}
-    for study in storage.get_all_studies():
-        source = study_source(study.study_name)
-        if source is not None:
-            found[study.study_name] = source
-    return found
 
 
 def make_sampler(strategy: Strategy, seed: int) -> optuna.samplers.BaseSampler:
@@ -100,11 +73,9 @@ class SearchDriver:
         # Configs of this key that every sweep on the DB has measured or is measuring
         # (`note_spent`): the budget counts them, not only this driver's.
         self._spent = 0
-        self._heartbeat = is_heartbeat_enabled(study._storage)
+        self._heartbeat = optuna_study.heartbeat_enabled(study)
         if self._heartbeat:  # fail trials a killed process left RUNNING
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                optuna.storages.fail_stale_trials(study)
+            optuna_study.fail_stale_trials(study)
 
     def remaining(self) -> int:
         """Configs still to measure under the budget (not counting those out now)."""
@@ -130,7 +101,7 @@ class SearchDriver:
 
     def note_spent(self, spent: int) -> None:
         """`spent` configs of this key are measured or out for measurement, by any sweep
-        (`TuningStore.spent`): the budget is shared by every sweep of the key."""
+        (`BaseTuningStore.spent`): the budget is shared by every sweep of the key."""
         self._spent = spent
 
     def withdraw(self, config: dict[str, Any]) -> None:
@@ -186,7 +157,7 @@ class SearchDriver:
         if self._heartbeat:
             for trial in self._pending.values():
                 if trial is not None:
-                    self.study._storage.record_heartbeat(trial._trial_id)
+                    optuna_study.record_heartbeat(self.study, trial)
 
     def abandon(self) -> None:
         """Close the Optuna trials of configs out for measurement (a stopped sweep); the
@@ -265,9 +236,7 @@ class SearchDriver:
         """A new feasible config from the sampler, or None once it has proposed only
         infeasible or known configs _MAX_STALE_ASKS times in a row."""
         while self._stale < _MAX_STALE_ASKS:
-            with warnings.catch_warnings():  # ask/tell with heartbeats is what we want
-                warnings.filterwarnings("ignore", message="Heartbeat of storage")
-                trial = self.study.ask(self.distributions)
+            trial = optuna_study.ask(self.study, self.distributions)
             config = dict(trial.params)
             key = config_key(config)
             if key not in self._feasible or key in self._pending or key in self._elsewhere:
@@ -278,7 +247,7 @@ class SearchDriver:
                 self._stale = 0
                 self._pending[key] = trial
                 if self._heartbeat:
-                    self.study._storage.record_heartbeat(trial._trial_id)
+                    optuna_study.record_heartbeat(self.study, trial)
                 return config
             self._stale += 1
         return None

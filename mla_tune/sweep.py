@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
 
-import optuna
 import torch
 
 from mla_tune.backends import (
@@ -39,17 +38,20 @@ from mla_tune.backends import (
     source_hashes,
 )
 from mla_tune.compile_ahead import CompileStage, CompileSummary
-from mla_tune.db import ClaimRow, TrialGroup, TrialRow, TuningStore, WinnerRow
+from mla_tune.db import ClaimRow, TrialGroup, TrialResult, TrialRow, TuningStore, WinnerRow
 from mla_tune.evaluate import TrialOutcome
 from mla_tune.fingerprint import (
     DeviceFingerprint,
     SoftwareFingerprint,
     current_software,
 )
+from mla_tune.optuna_study import open_study, study_name
 from mla_tune.problem import Shape
 from mla_tune.runoff import DEFAULT_FINALISTS, finalists, timed_together, timed_with
-from mla_tune.search import SearchDriver, Strategy, make_sampler, study_name
+from mla_tune.search import SearchDriver, Strategy, make_sampler
+from mla_tune.sweep_plan import available_backends, shape_candidates
 from mla_tune.timing import TimingPolicy
+from mla_tune.winner_selection import update_winner
 from mla_tune.workers import (
     BandwidthJob,
     Done,
@@ -478,28 +480,23 @@ class _Sweep:
         for backend in self.usable:
             summary = BackendSummary(backend.name)
             summaries.append(summary)
-            reason = backend.supports(shape)
-            if reason:
-                summary.skipped = reason
+            cands = shape_candidates(backend, shape, self.device, self.options.pins)
+            if isinstance(cands, str):
+                summary.skipped = cands
                 continue
             source = self.sources[backend.name]
             key = TrialGroup(self.device_id, self.software_id, shape.key, backend.name, source)
             if self.options.retry:
                 self.store.delete_trials(key, self.options.retry)
-            prior = self.store.measured(self.device_id, self.software_id, shape.key,
-                                        backend.name, source)
+            prior = self.store.measured(key)
             measured = {k: (t.median_us if t.status == "ok" else None) for k, t in prior.items()}
             summary.reused_trials = len(measured)
             oks = [v for v in measured.values() if v is not None]
             summary.best_us = min(oks) if oks else None
-            study = optuna.create_study(
-                storage=self.storage, load_if_exists=True, direction="minimize",
-                study_name=study_name(self.dev_hash, self.sw_hash, shape.key,
-                                      backend.name, source),
-                sampler=make_sampler(self.options.strategy, self.options.seed))
-            driver = SearchDriver(study, backend.declared_space(self.device),
-                                  backend.candidates(shape, self.device,
-                                                     self.options.pins.get(backend.name)),
+            study = open_study(self.storage, study_name(self.dev_hash, self.sw_hash, shape.key,
+                                                        backend.name, source),
+                               make_sampler(self.options.strategy, self.options.seed))
+            driver = SearchDriver(study, backend.declared_space(self.device), cands,
                                   self.options.strategy, self.options.budget, measured)
             if self.options.strategy is not Strategy.GRID:  # the sampler learns from the study
                 # Stored results it lacks (a sweep killed between storing and telling),
@@ -523,8 +520,8 @@ class _Sweep:
         if (run.result is not None or run.runoff_pending
                 or not all(g.done for g in run.groups)):
             return
-        winner = self.store.update_winner(self.device_id, self.software_id, run.shape.key,
-                                          self.sources)
+        winner = update_winner(self.store, self.device_id, self.software_id, run.shape.key,
+                               self.sources)
         trials = [t for g in run.groups for t in self.store.trials(
             device_id=self.device_id, software_id=self.software_id, shape_key=run.shape.key,
             backend=g.backend.name, source_hash=g.key.source_hash)]
@@ -561,8 +558,8 @@ class _Sweep:
         except ValueError as exc:  # another sweep changed these trials meanwhile
             log.warning("%s: side-by-side times not stored: %s", task.run.shape.key, exc)
             timed = {}
-        winner = self.store.update_winner(self.device_id, self.software_id,
-                                          task.run.shape.key, self.sources)
+        winner = update_winner(self.store, self.device_id, self.software_id,
+                               task.run.shape.key, self.sources)
         task.run.runoff_pending = False
         self._finish(task.run, winner, len(timed))
 
@@ -587,14 +584,12 @@ class _Sweep:
                       self.pool.label(done.slot), outcome.status, phases)
         value = outcome.stats.median_us if outcome.stats else None
         with _signals_held():
-            self.store.record_trial(
-                device_id=self.device_id, software_id=self.software_id,
-                shape_key=g.shape.key, shape_json=g.shape.to_json(),
-                kv_format=g.shape.kv_format.value, backend=g.backend.name,
-                source_hash=g.key.source_hash, config=config, status=outcome.status,
+            self.store.record_trial(g.key, TrialResult(
+                shape_json=g.shape.to_json(), kv_format=g.shape.kv_format.value,
+                config=config, status=outcome.status,
                 stats=outcome.stats.to_dict() if outcome.stats else None,
                 max_abs_err=outcome.max_abs_err, mismatch_frac=outcome.mismatch_frac,
-                error=outcome.error, worker=self.pool.label(done.slot))
+                error=outcome.error, worker=self.pool.label(done.slot)))
             g.driver.tell(config, value)
             self.new_trials += 1
             g.running -= 1
@@ -643,14 +638,7 @@ def run_sweep(shapes: Sequence[Shape], backends: Sequence[Backend], store: Tunin
         try:
             pool.launch()  # workers start up (seconds each) while this process goes on
             log.debug("workers launched")
-            usable: list[Backend] = []
-            skipped: dict[str, str] = {}
-            for b in backends:
-                avail = b.available(device)
-                if avail:
-                    usable.append(b)
-                else:
-                    skipped[b.name] = avail.reason
+            usable, skipped = available_backends(backends, device)
             if options.compile_ahead:
                 gpu_workers = sum(1 for d in options.devices if torch.device(d).type == "cuda")
                 stage = CompileStage(shapes, usable, device, options.pins, paths, gpu_workers,

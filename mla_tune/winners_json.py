@@ -406,6 +406,8 @@ def import_winners(store: TuningStore, path: str | os.PathLike[str],
     overwriting them. Re-importing the same file changes nothing. `records`: the file
     already read with `load_winners_json` (it is not read again)."""
     from mla_tune.backends import source_hash_pairs
+    from mla_tune.db import TrialGroup, TrialResult
+    from mla_tune.winner_selection import update_winner
 
     if records is None:
         records = load_winners_json(path)
@@ -427,24 +429,22 @@ def import_winners(store: TuningStore, path: str | os.PathLike[str],
             software_ids[r.software] = store.software_id(r.software)
         device_id, software_id = device_ids[r.device], software_ids[r.software]
         r = replace(r, source_hash=renamed.get((r.backend, r.source_hash), r.source_hash))
-        store.record_trial(device_id=device_id, software_id=software_id,
-                           shape_key=r.shape.key, shape_json=r.shape.to_json(),
-                           kv_format=r.shape.kv_format.value, backend=r.backend,
-                           source_hash=r.source_hash, config=r.config, status="ok",
-                           stats={"median_us": r.median_us}, worker=worker)
+        group = TrialGroup(device_id, software_id, r.shape.key, r.backend, r.source_hash)
+        store.record_trial(group, TrialResult(r.shape.to_json(), r.shape.kv_format.value,
+                                              r.config, "ok", {"median_us": r.median_us},
+                                              worker=worker))
         for s in r.verified_wrong:  # kept as facts: the dispatcher never runs it there
-            store.record_trial(device_id=device_id, software_id=software_id,
-                               shape_key=s.key, shape_json=s.to_json(),
-                               kv_format=s.kv_format.value, backend=r.backend,
-                               source_hash=r.source_hash, config=r.config, status="wrong",
-                               error=f"stored wrong in {worker}"[:MAX_TEXT], worker=worker)
+            store.record_trial(replace(group, shape_key=s.key),
+                               TrialResult(s.to_json(), s.kv_format.value, r.config, "wrong",
+                                           error=f"stored wrong in {worker}"[:MAX_TEXT],
+                                           worker=worker))
         if sources.get(r.backend) != r.source_hash:
             stale += 1
             continue
         current.setdefault((device_id, software_id, r.shape.key), []).append(r)
     won = 0
     for (device_id, software_id, shape_key), mine in sorted(current.items()):
-        w = store.update_winner(device_id, software_id, shape_key, sources)
+        w = update_winner(store, device_id, software_id, shape_key, sources)
         won += sum(w is not None and (w.backend, w.config) == (r.backend, r.config)
                    for r in mine)
     return ImportSummary(trials=len(records), won=won, not_current=stale)

@@ -7,11 +7,12 @@ import pytest
 from typer.testing import CliRunner
 
 from mla_tune.cli import app
-from mla_tune.db import TuningStore
+from mla_tune.db import TrialGroup, TrialResult, TuningStore
 from mla_tune.diff import DiffSide, classify, compare, noise_us, summarize_diff
 from mla_tune.fingerprint import SoftwareFingerprint
 from mla_tune.problem import Shape
 from mla_tune.report import report_rows
+from mla_tune.winner_selection import update_winner
 from tests.fixtures.sweep_db import SHAPES, copy_db, swept_db
 
 runner = CliRunner()
@@ -36,13 +37,12 @@ def _add_stack(store: TuningStore, scale: dict[str, float]) -> str:
         k = 1.0 if last else scale[t.shape_key]
         stats = {s: (getattr(t, s) * k if s.endswith("_us") and s != "std_us" else getattr(t, s))
                  for s in ("median_us", "mean_us", "std_us", "min_us", "max_us", "n")}
-        store.record_trial(device_id=dev.id, software_id=sw, shape_key=key,
-                           shape_json=shape_json, kv_format=t.kv_format, backend=t.backend,
-                           source_hash=t.source_hash, config=t.config, status=t.status,
-                           stats=stats if t.status == "ok" else None)
+        store.record_trial(TrialGroup(dev.id, sw, key, t.backend, t.source_hash),
+                           TrialResult(shape_json, t.kv_format, t.config, t.status,
+                                       stats=stats if t.status == "ok" else None))
     sources = {"torch": trials[0].source_hash}
     for key in [*scale, NEW.key]:
-        store.update_winner(dev.id, sw, key, sources)
+        update_winner(store, dev.id, sw, key, sources)
     return fp.hash
 
 

@@ -11,18 +11,13 @@ from typer.testing import CliRunner
 
 from mla_tune.backends import source_hashes
 from mla_tune.cli import app
-from mla_tune.db import SourceRow, TuningStore
+from mla_tune.db import SourceRow, TrialGroup, TrialResult, TuningStore
 from mla_tune.prune import plan
-from mla_tune.search import study_name, study_source
+from mla_tune.optuna_study import study_name
+from mla_tune.winner_selection import update_winner
 from tests.db.conftest import GPU, SHAPE, SHAPE_KEY, STACK
 
 runner = CliRunner()
-
-
-def test_study_names_round_trip_and_foreign_studies_are_ignored() -> None:
-    assert study_source(study_name("d", "s", SHAPE_KEY, "triton", "abc")) == ("triton", "abc")
-    assert study_source("someone-elses-study") is None
-    assert study_source("mla-tune:too:few") is None
 
 
 def test_plan_keeps_current_and_newest_sources_and_what_winners_name() -> None:
@@ -53,15 +48,14 @@ def _db(path) -> tuple[str, dict[str, str]]:
     storage = store.optuna_storage()
     for source, median in ((OLD, 5.0), (current, 7.0)):
         for i in range(3):
-            store.record_trial(device_id=dev, software_id=sw, shape_key=SHAPE_KEY,
-                               shape_json=SHAPE, kv_format="bf16", backend="triton",
-                               source_hash=source, config={"i": i}, status="ok",
-                               stats={"median_us": median + i})
+            store.record_trial(TrialGroup(dev, sw, SHAPE_KEY, "triton", source),
+                               TrialResult(SHAPE, "bf16", {"i": i}, "ok",
+                                           stats={"median_us": median + i}))
         names[source] = study_name("d", "s", SHAPE_KEY, "triton", source)
         study = optuna.create_study(storage=storage, study_name=names[source])
         study.add_trial(optuna.trial.create_trial(value=median))
     optuna.create_study(storage=storage, study_name="not-ours")
-    store.update_winner(dev, sw, SHAPE_KEY, {"triton": OLD})
+    update_winner(store, dev, sw, SHAPE_KEY, {"triton": OLD})
     store.close()
     return current, names
 
@@ -117,9 +111,8 @@ def test_doctor_points_at_prune_when_retired_trials_are_stored(tmp_path) -> None
     path = tmp_path / "t.db"
     _db(path)  # 3 trials of "old": one named by a winner, so 2 are prunable
     with TuningStore(str(path)) as store:  # a newer source measured last keeps "old" retired
-        store.record_trial(device_id=1, software_id=1, shape_key=SHAPE_KEY, shape_json=SHAPE,
-                           kv_format="bf16", backend="triton", source_hash="00000000000000ff",
-                           config={"i": 0}, status="ok", stats={"median_us": 1.0})
+        store.record_trial(TrialGroup(1, 1, SHAPE_KEY, "triton", "00000000000000ff"),
+                           TrialResult(SHAPE, "bf16", {"i": 0}, "ok", stats={"median_us": 1.0}))
     r = runner.invoke(app, ["doctor", "--db", str(path), "--device", "cpu"])
     assert r.exit_code == 0, r.output
     assert "2 stored trials are of retired kernel sources" in r.output

@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 
 from mla_tune.backends import get_backend, register
 from mla_tune.cli import app
-from mla_tune.db import SourceRow, TuningStore
+from mla_tune.db import SourceRow, TrialGroup, TrialResult, TuningStore
 from mla_tune.rehash import plan
+from mla_tune.winner_selection import update_winner
 from tests.db.conftest import GPU, SHAPE, SHAPE_KEY, STACK
 from tests.fixtures.toy_backends import ToyBackend
 
@@ -37,11 +38,10 @@ def _db(path) -> tuple[str, str]:
     with TuningStore(str(path)) as store:
         dev, sw = store.device_id(GPU), store.software_id(STACK)
         for i in range(2):
-            store.record_trial(device_id=dev, software_id=sw, shape_key=SHAPE_KEY,
-                               shape_json=SHAPE, kv_format="bf16", backend="triton",
-                               source_hash=old, config={"i": i}, status="ok",
-                               stats={"median_us": 5.0 + i})
-        store.update_winner(dev, sw, SHAPE_KEY, {"triton": old})
+            store.record_trial(TrialGroup(dev, sw, SHAPE_KEY, "triton", old),
+                               TrialResult(SHAPE, "bf16", {"i": i}, "ok",
+                                           stats={"median_us": 5.0 + i}))
+        update_winner(store, dev, sw, SHAPE_KEY, {"triton": old})
     return old, new
 
 
@@ -140,11 +140,9 @@ def test_from_git_renames_results_of_the_same_files_at_an_earlier_revision(
     path = tmp_path / "t.db"
     with TuningStore(str(path)) as store:
         dev, sw = store.device_id(GPU), store.software_id(STACK)
-        store.record_trial(device_id=dev, software_id=sw, shape_key=SHAPE_KEY,
-                           shape_json=SHAPE, kv_format="bf16", backend="gittoy",
-                           source_hash=old, config={"i": 0}, status="ok",
-                           stats={"median_us": 5.0})
-        store.update_winner(dev, sw, SHAPE_KEY, {"gittoy": old})
+        store.record_trial(TrialGroup(dev, sw, SHAPE_KEY, "gittoy", old),
+                           TrialResult(SHAPE, "bf16", {"i": 0}, "ok", stats={"median_us": 5.0}))
+        update_winner(store, dev, sw, SHAPE_KEY, {"gittoy": old})
     src.write_text("import os\n\n\ndef f():\n    return 1\n")  # a refactor: new code hash
     new = backend.source_hash()
     assert new != old
@@ -173,3 +171,20 @@ def test_source_hashes_do_not_depend_on_where_the_files_lie(tmp_path) -> None:
     (tmp_path / "zz" / "glue.py").write_text("y = 2\n")
     assert hash_sources([a / "k.py", b / "glue.py"]) == \
         hash_sources([tmp_path / "zz" / "glue.py", tmp_path / "k.py"])
+
+
+def test_source_renames_a_named_stored_hash_and_refuses_bad_names(tmp_path) -> None:
+    path = tmp_path / "t.db"
+    old, new = _db(path)
+    bad = runner.invoke(app, ["rehash", "--db", str(path), "--source", "nope=123"])
+    assert bad.exit_code == 2 and "expected BACKEND=HASH" in bad.output
+    both = runner.invoke(app, ["rehash", "--db", str(path), "--source", f"triton={old}",
+                               "--from-git", "HEAD"])
+    assert both.exit_code == 2 and "not both" in both.output
+    miss = runner.invoke(app, ["rehash", "--db", str(path), "--source", "triton=0000"])
+    assert miss.exit_code == 0 and "nothing to rehash" in miss.output
+    done = runner.invoke(app, ["rehash", "--db", str(path), "--source", f"triton={old}",
+                               "--yes"])
+    assert done.exit_code == 0 and "renamed 2 trials, 1 winners" in done.output
+    with TuningStore(str(path), read_only=True) as ro:
+        assert [w.source_hash for w in ro.winners()] == [new]

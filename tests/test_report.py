@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from mla_tune.bandwidth import measure_read_bandwidth
 from mla_tune.cli import app
+from mla_tune.db import TrialGroup, TrialResult
 from mla_tune.problem import Shape
 from mla_tune.report import ci95_halfwidth, geomean, report_rows, suite_summaries, t95
 from tests.fixtures.sweep_db import SHAPES, copy_db, swept_db
@@ -108,10 +109,9 @@ def test_superseded_winners_are_marked_and_left_out_of_geomeans(store, tmp_path)
     copy = copy_db(store, tmp_path / "superseded.db")
     assert not any(r.superseded for r in report_rows(copy))
     t = copy.trials(shape_key=SHAPES[0].key)[0]
-    copy.record_trial(device_id=t.device_id, software_id=t.software_id,
-                      shape_key=t.shape_key, shape_json=t.shape_json, kv_format=t.kv_format,
-                      backend=t.backend, source_hash="f" * 16, config=t.config, status="ok",
-                      stats={"median_us": 1.0})
+    copy.record_trial(TrialGroup(t.device_id, t.software_id, t.shape_key, t.backend, "f" * 16),
+                      TrialResult(t.shape_json, t.kv_format, t.config, "ok",
+                                  stats={"median_us": 1.0}))
     rows = report_rows(copy)
     assert len(rows) == len(SHAPES) and all(r.superseded for r in rows)
     assert rows[0].winner_label == f"{rows[0].backend} (superseded)"

@@ -8,11 +8,12 @@ import pytest
 from typer.testing import CliRunner
 
 from mla_tune.cli import app
-from mla_tune.db import TuningStore
+from mla_tune.db import TrialGroup, TrialResult, TuningStore
 from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint
 from mla_tune.problem import Shape
 from mla_tune.report import report_rows
 from mla_tune.report_html import figures, render_html, write_pngs
+from mla_tune.winner_selection import update_winner
 from tests.fixtures.sweep_db import SHAPES, copy_db, swept_db
 
 runner = CliRunner()
@@ -55,16 +56,15 @@ def _add_gpu_device(store: TuningStore) -> None:
     shape = Shape.uniform(4, 1024)
     for splits in (1, 4, 16):
         for block in (16, 32):
-            store.record_trial(device_id=dev, software_id=sw, shape_key=shape.key,
-                               shape_json=shape.to_json(), kv_format="bf16", backend="triton",
-                               source_hash="aa", config={"num_splits": splits, "BLOCK_N": block},
-                               status="ok", stats={"median_us": 5.0 + 20 / splits + block / 16,
-                                                   "std_us": 0.1, "n": 50})
-    store.record_trial(device_id=dev, software_id=sw, shape_key=shape.key,
-                       shape_json=shape.to_json(), kv_format="bf16", backend="flashinfer",
-                       source_hash="bb", config={"page_size": 1}, status="ok",
-                       stats={"median_us": 16.8, "std_us": 0.2, "n": 50})
-    store.update_winner(dev, sw, shape.key, {"triton": "aa", "flashinfer": "bb"})
+            store.record_trial(TrialGroup(dev, sw, shape.key, "triton", "aa"),
+                               TrialResult(shape.to_json(), "bf16",
+                                           {"num_splits": splits, "BLOCK_N": block}, "ok",
+                                           stats={"median_us": 5.0 + 20 / splits + block / 16,
+                                                  "std_us": 0.1, "n": 50}))
+    store.record_trial(TrialGroup(dev, sw, shape.key, "flashinfer", "bb"),
+                       TrialResult(shape.to_json(), "bf16", {"page_size": 1}, "ok",
+                                   stats={"median_us": 16.8, "std_us": 0.2, "n": 50}))
+    update_winner(store, dev, sw, shape.key, {"triton": "aa", "flashinfer": "bb"})
 
 
 def test_html_is_self_contained_with_inline_svg_charts(store):

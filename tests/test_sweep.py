@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from mla_tune.backends import get_backend, register
 from mla_tune.cli import app
-from mla_tune.db import TuningStore
+from mla_tune.db import TrialResult, TuningStore
 from mla_tune.problem import Shape
 from mla_tune.search import Strategy
 from mla_tune.space import config_key
@@ -417,10 +417,8 @@ def test_a_stored_trial_the_study_lacks_is_told_when_its_group_opens(store):
     told = _complete(_study(store))
     lost = next(c for c in toy.candidates(shape, torch.device("cpu"))
                 if c["mode"] == "ok" and config_key(c) not in told)
-    store.record_trial(device_id=group.device_id, software_id=group.software_id,
-                       shape_key=shape.key, shape_json=shape.to_json(), kv_format="bf16",
-                       backend="toy", source_hash=group.source_hash, config=lost, status="ok",
-                       stats={"median_us": 123.0})
+    store.record_trial(group, TrialResult(shape.to_json(), "bf16", lost, "ok",
+                                          stats={"median_us": 123.0}))
     run_sweep([shape], [toy], store, opts)  # a trial stored just now is a live sweep's
     assert config_key(lost) not in _complete(_study(store))
     with closing(sqlite3.connect(store.url.removeprefix("sqlite:///"))) as conn, conn:
@@ -461,12 +459,9 @@ def test_the_budget_is_shared_with_a_sweep_measuring_the_same_group(store):
 
         def trial_done(self, shape, backend, config, outcome, best):
             if store.claims(self.group):
-                g = self.group
-                store.record_trial(device_id=g.device_id, software_id=g.software_id,
-                                   shape_key=g.shape_key, shape_json=shape.to_json(),
-                                   kv_format="bf16", backend="toy", source_hash=g.source_hash,
-                                   config=theirs, status="ok", stats={"median_us": 4000.0},
-                                   worker="elsewhere")
+                store.record_trial(self.group, TrialResult(
+                    shape.to_json(), "bf16", theirs, "ok", stats={"median_us": 4000.0},
+                    worker="elsewhere"))
 
     run_sweep([shape], [toy], store,
               SweepOptions(policy=FAST, baselines=False, strategy=Strategy.TPE, budget=2),

@@ -59,16 +59,15 @@ def overwrite_header(path: Path, seed: int = 0) -> None:
 
 def fill(path: Path, trials: int = 60) -> None:
     """A real tuning DB of a few dozen pages at `path`, closed cleanly (no -wal file)."""
-    from mla_tune.db import TuningStore
+    from mla_tune.db import TrialGroup, TrialResult, TuningStore
     from tests.db.conftest import GPU, SHAPE, SHAPE_KEY, STACK
 
     with TuningStore(str(path)) as store:
-        ids = {"device_id": store.device_id(GPU), "software_id": store.software_id(STACK)}
+        group = TrialGroup(store.device_id(GPU), store.software_id(STACK), SHAPE_KEY,
+                           "triton", "src")
         for i in range(trials):
-            store.record_trial(**ids, shape_key=SHAPE_KEY, shape_json=SHAPE, kv_format="bf16",
-                               backend="triton", source_hash="src",
-                               config={"i": i, "pad": "x" * 2000}, status="ok",
-                               stats={"median_us": 10.0 + i})
+            store.record_trial(group, TrialResult(SHAPE, "bf16", {"i": i, "pad": "x" * 2000},
+                                                  "ok", {"median_us": 10.0 + i}))
 
 
 def integrity(path: Path) -> list[str]:

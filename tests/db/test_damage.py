@@ -6,7 +6,7 @@ import sqlite3
 import pytest
 from sqlalchemy import make_url
 
-from mla_tune.db import DBError, TrialGroup, TuningStore
+from mla_tune.db import DBError, TrialGroup, TrialResult, TuningStore
 from tests.db.conftest import GPU, SHAPE, SHAPE_KEY, STACK
 from tests.db.faults import (
     PAGE,
@@ -19,11 +19,9 @@ from tests.db.faults import (
 )
 
 
-def _record(store, ids, i):
-    return store.record_trial(**ids, shape_key=SHAPE_KEY, shape_json=SHAPE, kv_format="bf16",
-                              backend="triton", source_hash="src",
-                              config={"i": i, "pad": "x" * 200}, status="ok",
-                              stats={"median_us": 10.0 + i})
+def _record(store, group, i):
+    return store.record_trial(group, TrialResult(SHAPE, "bf16", {"i": i, "pad": "x" * 200},
+                                                 "ok", {"median_us": 10.0 + i}))
 
 
 @pytest.fixture
@@ -59,7 +57,7 @@ def test_disk_full_is_a_dberror_and_keeps_what_was_stored(tmp_path):
         with pytest.raises(DBError, match="is full") as err:
             for i in range(1000):
                 store.enqueue(group, [{"i": i, "pad": "x" * 200}])
-                stored.append(_record(store, ids, i))
+                stored.append(_record(store, group, i))
     assert "Nothing stored was lost" in str(err.value) and "run the same command" in str(err.value)
     assert isinstance(err.value.__cause__.orig, sqlite3.OperationalError)
     assert 0 < len(stored) < 1000 and integrity(path) == ["ok"]

@@ -1,5 +1,6 @@
 """`TuningStore(url, read_only=True)`: what reports, diff, export and the dispatcher open.
-It never creates, migrates, locks or writes the DB."""
+It never creates, migrates, locks or writes the DB (that every write is refused:
+test_storage_contract.py)."""
 
 import os
 import sqlite3
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from mla_tune.db import DBError, TuningStore
+from mla_tune.db import DBError, TrialGroup, TrialResult, TuningStore
+from mla_tune.winner_selection import update_winner
 from tests.db.conftest import GPU, SHAPE, SHAPE_KEY, STACK
 
 SOURCE = "abc123"
@@ -20,10 +22,9 @@ def _fill(url: str) -> None:
     """A DB with one device, stack, 'ok' trial and winner, closed."""
     with TuningStore(url) as s:
         dev, sw = s.device_id(GPU), s.software_id(STACK)
-        s.record_trial(device_id=dev, software_id=sw, shape_key=SHAPE_KEY, shape_json=SHAPE,
-                       kv_format="bf16", backend="triton", source_hash=SOURCE,
-                       config={"num_splits": 4}, status="ok", stats={"median_us": 12.5})
-        assert s.update_winner(dev, sw, SHAPE_KEY, {"triton": SOURCE}) is not None
+        s.record_trial(TrialGroup(dev, sw, SHAPE_KEY, "triton", SOURCE),
+                       TrialResult(SHAPE, "bf16", {"num_splits": 4}, "ok", {"median_us": 12.5}))
+        assert update_winner(s, dev, sw, SHAPE_KEY, {"triton": SOURCE}) is not None
 
 
 def _set_revision(url: str, rev: str, undo: tuple[str, ...] = ()) -> None:
@@ -44,35 +45,6 @@ def test_missing_file_raises_and_creates_nothing(tmp_path):
         with pytest.raises(DBError, match=r"no tuning DB file at .*typo\.db.*mla-tune sweep"):
             TuningStore(where, read_only=True)
     assert list(tmp_path.iterdir()) == []
-
-
-def test_reads_what_was_written_and_refuses_every_write(url):
-    _fill(url)
-    with TuningStore(url) as rw:
-        expected = (rw.winners(), rw.trials(), rw.devices())
-    with TuningStore(url, read_only=True) as ro:
-        assert ro.read_only
-        assert (ro.winners(), ro.trials(), ro.devices()) == expected
-        (w,) = ro.winners()
-        writes = {
-            "device_id": lambda: ro.device_id(GPU),
-            "software_id": lambda: ro.software_id(STACK),
-            "set_read_bandwidth": lambda: ro.set_read_bandwidth(w.device_id, 4000.0),
-            "record_trial": lambda: ro.record_trial(
-                device_id=w.device_id, software_id=w.software_id, shape_key=SHAPE_KEY,
-                shape_json=SHAPE, kv_format="bf16", backend="triton", source_hash=SOURCE,
-                config={"num_splits": 8}, status="failed"),
-            "update_winner": lambda: ro.update_winner(w.device_id, w.software_id, SHAPE_KEY,
-                                                      {"triton": SOURCE}),
-            "heartbeat": lambda: ro.heartbeat("me"),
-            "release": lambda: ro.release("me"),
-            "optuna_storage": lambda: ro.optuna_storage(),
-        }
-        for name, call in writes.items():
-            with pytest.raises(DBError, match=f"cannot {name}: .* opened read-only"):
-                call()
-    with TuningStore(url) as rw:
-        assert (rw.winners(), rw.trials(), rw.devices()) == expected
 
 
 def test_older_revision_is_refused_with_how_to_upgrade(url):
@@ -186,10 +158,10 @@ def test_unreadable_file_is_a_db_error(sqlite_url):
 
 
 def test_lock_free_read_is_retried_when_the_file_changes_meanwhile(sqlite_url, monkeypatch):
-    import mla_tune.db.store as store_mod
+    import mla_tune.db.engine as engine_mod
 
     _fill(sqlite_url)
-    real, calls = store_mod._clean_state, []
+    real, calls = engine_mod.clean_state, []
 
     def changing(path):  # the check after the first read sees the file changed
         calls.append(path)
@@ -197,6 +169,6 @@ def test_lock_free_read_is_retried_when_the_file_changes_meanwhile(sqlite_url, m
         return (state[0], state[1] + 1, state[2]) if len(calls) == 2 and state else state
 
     with TuningStore(sqlite_url, read_only=True) as ro:
-        monkeypatch.setattr(store_mod, "_clean_state", changing)
+        monkeypatch.setattr(engine_mod, "clean_state", changing)
         assert [w.shape_key for w in ro.winners()] == [SHAPE_KEY]
     assert len(calls) == 4  # open + check, then the retry's open + check
