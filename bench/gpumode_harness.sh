@@ -11,6 +11,10 @@
 # `POPCORN_FD=3 python3 eval.py MODE SPECS` in a fresh folder holding only these files,
 # with PYTHONPATH unset; its report (fd 3) goes to OUT_DIR/MODE.txt, stderr to
 # OUT_DIR/MODE.stderr. MLA_TUNE_TRACE=1 makes the submission print each shape's route.
+# Mode `probe` runs bench/gpumode_leaderboard_probe.py there instead (the same call under
+# the benchmark and leaderboard protocols and variants of them) on the specs in
+# $PROBE_SPECS (default below); its lines go to OUT_DIR/probe.txt, its data to
+# OUT_DIR/probe.json.
 set -uo pipefail
 sub=$1 harness=$2 out=$3
 shift 3
@@ -23,6 +27,7 @@ run=$(mktemp -d)
 cp "$sub" "$run/submission.py"
 cp "$harness/eval.py" "$harness/utils.py" "$harness/task.py" "$run/"
 cp "$here/gpumode_reference.py" "$run/reference.py"
+cp "$here/gpumode_leaderboard_probe.py" "$run/probe.py"
 cat > "$run/tests.txt" <<'SPECS'
 batchsize: 4; qseqlen: 1; kvseqlen: 1024; seed: 4220
 batchsize: 32; qseqlen: 1; kvseqlen: 1024; seed: 5412
@@ -53,7 +58,14 @@ for item in "${modes[@]}"; do
     specs=benchmarks.txt
     [ "$mode" = test ] && specs=tests.txt
     t0=$(date +%s)
-    MLA_TUNE_TRACE=1 POPCORN_FD=3 timeout "$limit" python3 eval.py "$mode" "$specs" \
-        3>"$out/$mode.txt" 2>"$out/$mode.stderr"
+    if [ "$mode" = probe ]; then
+        # shellcheck disable=SC2086 # the specs are words
+        MLA_TUNE_TRACE=1 timeout "$limit" python3 probe.py "$out" \
+            ${PROBE_SPECS:-4x8192:4220 4x1024:4217 32x1024:5412} \
+            >"$out/probe.txt" 2>"$out/probe.stderr"
+    else
+        MLA_TUNE_TRACE=1 POPCORN_FD=3 timeout "$limit" python3 eval.py "$mode" "$specs" \
+            3>"$out/$mode.txt" 2>"$out/$mode.stderr"
+    fi
     echo "$mode: exit $? after $(( $(date +%s) - t0 )) s"
 done

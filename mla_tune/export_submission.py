@@ -5,9 +5,10 @@ not mla-tune. The file is rendered from the tuning DB, never edited by hand:
 - `#!POPCORN leaderboard/gpu` lines when asked, and a header comment naming the DB, the
   device, the winners' software stacks, the kernel sources and the times each requested
   shape is expected to take;
-- the source of mla_tune/routing_rules.py (the dispatcher's routing rules),
+- the source of mla_tune/routing_rules.py and mla_tune/bucket_rules.py (the dispatcher's
+  routing and length-bucket rules), mla_tune/input_checks.py (its input checks),
   kernels/triton/mla_decode.py and kernels/triton/launch.py (the kernels and their launch)
-  and mla_tune/submission_runtime.py (routing, input checks, the PyTorch path), copied
+  and mla_tune/submission_runtime.py (routing, bucket routing, the PyTorch path), copied
   verbatim but for their `from __future__` and in-project import lines;
 - the device's winners as literals, and `custom_kernel(data)`.
 Only Triton winners of the installed kernel sources are exported (other families' code
@@ -32,6 +33,8 @@ from mla_tune.winners_json import WinnerRecord
 
 _ROOT = Path(__file__).resolve().parent.parent
 SOURCES = (Path(__file__).with_name("routing_rules.py"),
+           Path(__file__).with_name("bucket_rules.py"),
+           Path(__file__).with_name("input_checks.py"),
            _ROOT / "kernels" / "triton" / "mla_decode.py",
            _ROOT / "kernels" / "triton" / "launch.py",
            Path(__file__).with_name("submission_runtime.py"))
@@ -315,6 +318,9 @@ def write_submission(store: Any, path: str | Path, *, device_hash: str | None, d
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(sub.text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # a file to share, not mkstemp's owner-only mode
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -1,17 +1,23 @@
 """The runtime of the one-file leaderboard submission (`mla-tune export --submission`).
 
-Copied verbatim into the exported file after routing_rules.py, kernels/triton/mla_decode.py
-and kernels/triton/launch.py, and followed there by the table literals (`TABLE_DEVICE`,
-`TABLE_WINNERS`, `TRITON_SPACES`, `TABLE_CHECKS`) and `custom_kernel`. It routes like the
-dispatcher (mla_tune/dispatch.py): the exact tuned shape, else the nearest tuned uniform
-shape of the same format/heads/q_len, else the occupancy heuristic on the Triton family,
-else plain PyTorch; never a variant stored wrong for the call's shape, with the
-dispatcher's trust tiers (`routing_rules.trust_tier`) over where each winner's config was
-verified. A variant whose build or first call fails falls through to the next. A shape's
-first call is checked in full (tensors, dtypes, devices, indptrs read on the host); its
-later calls are one dict lookup and the kernel, so they must match that first call (same
-kv lengths and KV formats), as the leaderboard's calls of a shape do. Nothing here
-imports mla_tune.
+Copied verbatim into the exported file after routing_rules.py, bucket_rules.py,
+input_checks.py, kernels/triton/mla_decode.py and kernels/triton/launch.py, and followed
+there by the table literals (`TABLE_DEVICE`, `TABLE_WINNERS`, `TRITON_SPACES`,
+`TABLE_CHECKS`) and `custom_kernel`. It routes like the dispatcher (mla_tune/dispatch.py):
+the exact tuned shape, else the nearest tuned uniform shape of the same format/heads/q_len,
+else the occupancy heuristic on the Triton family, else plain PyTorch; never a variant
+stored wrong for the call's shape, with the dispatcher's trust tiers
+(`routing_rules.trust_tier`) over where each winner's config was verified. A ragged call
+(its KV holds fewer rows than `batch * kv_seq_len`) runs its length bucket's variant, as
+the dispatcher's bucket router does (mla_tune/buckets.py, on the rules of
+bucket_rules.py): routed and built once per bucket as the bucket's representative uniform
+shape, with the config made length-independent, reading each sequence's length from
+`kv_indptr` on the device. A variant whose build or first call fails falls through to the
+next. A key's first call is checked in full, by the dispatcher's own checks
+(input_checks.py), and its indptrs are read on the host once; its later calls are one dict
+lookup and the kernel, so they must match that first call (same KV formats, and KV rows
+for a uniform key), as the leaderboard's calls of a shape do. Its only in-project imports
+are the files copied before it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,21 @@ from typing import Any
 import torch
 
 from kernels.triton.launch import build_variant, variant_feasible
+from mla_tune.bucket_rules import (
+    bucket_config,
+    is_ragged_rows,
+    kv_class,
+    kv_edges_from_env,
+    rep_len,
+)
+from mla_tune.input_checks import (
+    TASK_QK_DIM,
+    TASK_V_DIM,
+    check_config,
+    check_sizes,
+    check_task_tensors,
+    kv_rows,
+)
 from mla_tune.routing_rules import (
     FORMAT_NAMES,
     call_key,
@@ -38,13 +59,7 @@ from mla_tune.routing_rules import (
     trust_tier,
 )
 
-SUB_QK_DIM, SUB_V_DIM = 576, 512
 SUB_TRACE_ENV = "MLA_TUNE_TRACE"
-_SUB_FP8 = {torch.float8_e4m3fn, torch.float8_e4m3fnuz}
-_SUB_U8 = {torch.uint8} | ({torch.float4_e2m1fn_x2} if hasattr(torch, "float4_e2m1fn_x2")
-                           else set())
-_SUB_E8M0 = {torch.uint8} | ({torch.float8_e8m0fnu} if hasattr(torch, "float8_e8m0fnu")
-                             else set())
 _SUB_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0,
              -4.0, -6.0)
 
@@ -76,76 +91,36 @@ def sub_device_fingerprint(device: torch.device) -> dict[str, Any]:
             "sm_count": props.multi_processor_count, "memory_bytes": props.total_memory}
 
 
-def _sub_check(t: Any, name: str, dtypes: set, shape: tuple, device: torch.device,
-               contiguous: bool = True) -> None:
-    """Raise ValueError naming `name` unless `t` is a tensor as described; a negative
-    shape entry -n means at least n."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name} has dtype {t.dtype}; expected "
-                         f"{' or '.join(sorted(map(str, dtypes)))}")
-    if t.dim() != len(shape) or any(t.shape[i] < -w if w < 0 else t.shape[i] != w
-                                    for i, w in enumerate(shape)):
-        want = tuple(f">={-w}" if w < 0 else w for w in shape)
-        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}; this submission runs on {device}")
-    if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
-def sub_check_call(data: Any, device: torch.device) -> tuple[tuple, list[str]]:
-    """Check a shape's first call in full; returns its shape `(batch, kv_lens, q_len,
-    heads)` (kv lengths read from kv_indptr) and the KV formats it holds."""
+def sub_first_checks(data: Any) -> tuple[dict[str, int], list[str], int]:
+    """The dispatcher's checks of a key's first call before its format is chosen (the
+    config's fields, the tensors' sizes against it, the formats kv_data holds): returns
+    the config's key values, the formats present and the call's KV rows."""
     if not isinstance(data, (tuple, list)) or len(data) != 5:
         raise ValueError("data must be the tuple (q, kv_data, qo_indptr, kv_indptr, config)")
-    q, kv_data, qo, kvp, config = data
-    if not isinstance(config, Mapping):
-        raise ValueError(f"config must be a dict, got {type(config).__name__}")
-    for f in ("batch_size", "q_seq_len", "kv_seq_len", "num_heads"):
-        if type(config.get(f)) is not int or config[f] < 1:
-            raise ValueError(f"config[{f!r}] must be a positive int, got {config.get(f)!r}")
-    for f, want in (("num_kv_heads", 1), ("qk_head_dim", SUB_QK_DIM),
-                    ("kv_lora_rank", SUB_V_DIM), ("v_head_dim", SUB_V_DIM)):
-        if f in config and config[f] != want:
-            raise ValueError(f"config[{f!r}] is {config[f]!r}; MLA decode here needs {want}")
-    if not isinstance(config.get("sm_scale"), (int, float)) or isinstance(config["sm_scale"],
-                                                                          bool):
-        raise ValueError(f"config['sm_scale'] must be a number, got {config.get('sm_scale')!r}")
-    batch, q_len, kv_max, heads = call_key(config)
-    _sub_check(q, "q", {torch.bfloat16}, (batch * q_len, heads, SUB_QK_DIM), device)
-    for t, n in ((qo, "qo_indptr"), (kvp, "kv_indptr")):
-        _sub_check(t, n, {torch.int32}, (batch + 1,), device)
-    qo_h, kv_h = qo.tolist(), kvp.tolist()
-    if qo_h != [i * q_len for i in range(batch + 1)]:
-        raise ValueError(f"qo_indptr must be 0, {q_len}, 2*{q_len}, ... (q_seq_len "
-                         f"{q_len} per sequence), got {qo_h[:6]}...")
-    kv_lens = tuple(b - a for a, b in zip(kv_h, kv_h[1:]))
-    if kv_h[0] != 0 or min(kv_lens) < q_len or max(kv_lens) > kv_max:
-        raise ValueError(f"kv_indptr must start at 0 and give lengths in [{q_len}, "
-                         f"{kv_max}] (q_seq_len, kv_seq_len), got {kv_h[:6]}...")
+    vals = check_config(data[4])
+    check_sizes(data, vals)
+    kv_data = data[1]
     if not isinstance(kv_data, Mapping):
-        raise ValueError(f"kv_data must be a dict of KV formats, got {type(kv_data).__name__}")
+        raise ValueError(f"kv_data must be a dict, got {type(kv_data).__name__}")
     present = [f for f in FORMAT_NAMES if f in kv_data]
     if not present:
         raise ValueError(f"kv_data holds none of {list(FORMAT_NAMES)}")
-    rows = kv_h[-1]
-    for fmt in present:
-        entry, name = kv_data[fmt], f"kv_data[{fmt!r}]"
-        if fmt == "bf16":
-            _sub_check(entry, name, {torch.bfloat16}, (-rows, 1, SUB_QK_DIM), device)
-            continue
-        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
-            raise ValueError(f"{name} must be a (values, scale) pair")
-        if fmt == "fp8":
-            _sub_check(entry[0], f"{name}[0]", _SUB_FP8, (-rows, 1, SUB_QK_DIM), device)
-            _sub_check(entry[1], f"{name}[1]", {torch.float32}, (1,), device, False)
-        else:
-            _sub_check(entry[0], f"{name}[0]", _SUB_U8, (-rows, 1, SUB_QK_DIM // 2), device)
-            _sub_check(entry[1], f"{name}[1]", _SUB_E8M0, (-rows, -(SUB_QK_DIM // 32)),
-                       device, False)
-    return (batch, kv_lens, q_len, heads), present
+    return vals, present, kv_rows(kv_data, present)
+
+
+def sub_check_indptrs(data: tuple, batch: int, q_len: int, kv_max: int, rows: int) -> None:
+    """Read a first call's indptrs on the host (once per key): q_seq_len queries per
+    sequence, kv lengths in [q_seq_len, kv_seq_len] covering the KV's rows, so no later
+    launch of the key reads past the cache."""
+    qo_h, kv_h = data[2].tolist(), data[3].tolist()
+    if qo_h != [i * q_len for i in range(batch + 1)]:
+        raise ValueError(f"qo_indptr must be 0, {q_len}, 2*{q_len}, ... (q_seq_len "
+                         f"{q_len} per sequence), got {qo_h[:6]}...")
+    lens = [b - a for a, b in zip(kv_h, kv_h[1:])]
+    if kv_h[0] != 0 or min(lens) < q_len or max(lens) > kv_max or kv_h[-1] != rows:
+        raise ValueError(f"kv_indptr must start at 0, give lengths in [{q_len}, {kv_max}] "
+                         f"(q_seq_len, kv_seq_len) and end at the {rows} KV rows, got "
+                         f"{kv_h[:6]}...")
 
 
 def sub_dequantized(kv_data: Mapping[str, Any], fmt: str) -> torch.Tensor:
@@ -160,10 +135,10 @@ def sub_dequantized(kv_data: Mapping[str, Any], fmt: str) -> torch.Tensor:
         b = fp4.view(torch.uint8).reshape(fp4.shape[0], -1)
         table = torch.tensor(_SUB_E2M1, dtype=torch.float32, device=b.device)
         vals = table[torch.stack((b & 0xF, b >> 4), -1).reshape(b.shape[0], -1).long()]
-        s = sc.view(torch.uint8)[:b.shape[0], :SUB_QK_DIM // 32].to(torch.int32) << 23
+        s = sc.view(torch.uint8)[:b.shape[0], :TASK_QK_DIM // 32].to(torch.int32) << 23
         s = torch.where(s == 0, torch.full_like(s, 0x00400000), s).view(torch.float32)
         kv = (vals.view(b.shape[0], -1, 32) * s.unsqueeze(-1)).reshape(b.shape[0], -1)
-    return kv.reshape(kv.shape[0], SUB_QK_DIM)
+    return kv.reshape(kv.shape[0], TASK_QK_DIM)
 
 
 def sub_torch_decode(data: tuple, fmt: str) -> torch.Tensor:
@@ -173,7 +148,7 @@ def sub_torch_decode(data: tuple, fmt: str) -> torch.Tensor:
     q, kv_data, qo, kvp, config = data
     kv = sub_dequantized(kv_data, fmt)
     qf, scale = q.float(), float(config["sm_scale"])
-    out = torch.empty((q.shape[0], q.shape[1], SUB_V_DIM), dtype=torch.bfloat16,
+    out = torch.empty((q.shape[0], q.shape[1], TASK_V_DIM), dtype=torch.bfloat16,
                       device=q.device)
     qo_h, kv_h = qo.tolist(), kvp.tolist()
     for b in range(len(qo_h) - 1):
@@ -183,12 +158,13 @@ def sub_torch_decode(data: tuple, fmt: str) -> torch.Tensor:
         j = torch.arange(ql, device=q.device).view(ql, 1, 1)
         k = torch.arange(n, device=q.device).view(1, 1, n)
         p = torch.softmax(s.masked_fill(k > n - ql + j, float("-inf")), dim=-1)
-        out[q0:q1] = torch.einsum("qhk,kd->qhd", p, keys[:, :SUB_V_DIM]).to(torch.bfloat16)
+        out[q0:q1] = torch.einsum("qhk,kd->qhd", p, keys[:, :TASK_V_DIM]).to(torch.bfloat16)
     return out
 
 
 class SubmissionRouter:
-    """The exported table and the per-key cache of built variants."""
+    """The exported table, the per-key cache of built variants (`routes`, uniform keys)
+    and the per-bucket one (`buckets`, ragged calls)."""
 
     def __init__(self, device_json: dict[str, Any], winners: dict[str, tuple],
                  spaces: dict[str, tuple], stacks: dict[str, dict[str, str]],
@@ -202,11 +178,17 @@ class SubmissionRouter:
         # config text -> (shape keys verified ok, stored wrong, a wrong shape per family)
         self.checks = {k: (frozenset(ok), frozenset(bad), fam)
                        for k, (ok, bad, fam) in (checks if self.mine else {}).items()}
+        self.edges = kv_edges_from_env(os.environ)
         self.uniform: dict[tuple, list[tuple]] = {}
+        self.ragged: dict[tuple, tuple] = {}
         for w in self.winners.values():
             fmt, batch, kv, q_len, heads, page = w[:6]
             if isinstance(kv, int):
                 self.uniform.setdefault((fmt, heads, q_len, page), []).append(w)
+            else:  # the fastest winner tuned on a ragged batch of each bucket
+                key = (fmt, batch, *kv_class(self.edges, sum(kv) / batch), q_len, heads)
+                if key not in self.ragged or w[7] < self.ragged[key][7]:
+                    self.ragged[key] = w
         names, choices = zip(*spaces["cpu" if self.device.type == "cpu" else "cuda"])
         self.grid = [dict(zip(names, c)) for c in itertools.product(*choices)]
         interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -214,6 +196,7 @@ class SubmissionRouter:
         self.gfx942 = bool(torch.version.hip) and self.here.get("arch") == "gfx942"
         self.trace = os.environ.get(SUB_TRACE_ENV, "").strip() not in ("", "0")
         self.routes: dict[tuple, Callable[[tuple], torch.Tensor]] = {}
+        self.buckets: dict[tuple, Callable[[tuple], torch.Tensor]] = {}
         self.warned = False
         if self.trace and not self.mine:
             print(f"mla-tune route: this device {self.here} is not the table's "
@@ -254,6 +237,26 @@ class SubmissionRouter:
                         shape_key(w[1], (w[2],), q_len, heads, fmt))
         return None
 
+    def heuristic(self, fmt: str, batch: int, kv_lens: tuple, q_len: int,
+                  heads: int) -> tuple[dict, str] | None:
+        """The occupancy heuristic's Triton config for the shape, and why; None if no
+        candidate of the grid runs it unless stored wrong here."""
+        if not self._triton_runs(fmt):
+            return None
+        units = self.here["sm_count"]
+        splits = occupancy_splits(batch, q_len * heads, max(kv_lens), units)
+        cands, suspect = [], []
+        for c in self.grid:
+            if variant_feasible(fmt, kv_lens, q_len, heads, 1, c):
+                t = self.trust(c, fmt, kv_lens, batch, q_len, heads)
+                if t is not None:
+                    cands.append(c)
+                    suspect.append(t[0] == 2)
+        if not cands:
+            return None
+        c = cands[closest_splits([x["num_splits"] for x in cands], splits, suspect)]
+        return c, f"occupancy model wants {splits} split(s) over {units} units"
+
     def decisions(self, fmt: str, batch: int, kv_lens: tuple, q_len: int,
                   heads: int) -> list[tuple[str, dict | None, str]]:
         """(reason, Triton config or None for PyTorch, detail) in the order tried."""
@@ -261,22 +264,47 @@ class SubmissionRouter:
         t = self.tuned(fmt, batch, kv_lens, q_len, heads)
         if t is not None and self.trust(t[1], fmt, kv_lens, batch, q_len, heads) is not None:
             out.append((t[0], t[1], f"{t[4]} tuned at {t[2]:.1f} us"))
-        if self._triton_runs(fmt):
-            units = self.here["sm_count"]
-            splits = occupancy_splits(batch, q_len * heads, max(kv_lens), units)
-            cands, tiers = [], []
-            for c in self.grid:
-                if variant_feasible(fmt, kv_lens, q_len, heads, 1, c):
-                    t = self.trust(c, fmt, kv_lens, batch, q_len, heads)
-                    if t is not None:
-                        cands.append(c)
-                        tiers.append(t[0] == 2)
-            if cands:
-                c = cands[closest_splits([x["num_splits"] for x in cands], splits, tiers)]
-                if t is None or c != t[1]:
-                    out.append(("heuristic", c, f"occupancy model wants {splits} split(s) "
-                                                f"over {units} units"))
+        h = self.heuristic(fmt, batch, kv_lens, q_len, heads)
+        if h is not None and (t is None or h[0] != t[1]):
+            out.append(("heuristic", h[0], h[1]))
         out.append(("fallback", None, "plain PyTorch"))
+        return out
+
+    def bucket_decisions(self, fmt: str, batch: int, kv_lo: int, kv_hi: int, q_len: int,
+                         heads: int) -> list[tuple[str, dict | None, str]]:
+        """The dispatcher's bucket routing (BucketRouter.decisions) of bucket `batch x
+        (kv_lo, kv_hi]`: the winner tuned on a ragged batch of the bucket, the tuned
+        uniform shapes of the format/heads/q_len nearest the representative, the
+        heuristic, PyTorch; each config made length-independent (`bucket_config`) and
+        kept only where it runs the representative shape and was not stored wrong there
+        as tuned or as adapted."""
+        rep = (rep_len(kv_lo, kv_hi, q_len),) * batch
+        label = f"bucket {batch}x({kv_lo},{kv_hi}]"
+        out: list[tuple[str, dict | None, str]] = []
+        seen: set[str] = set()
+
+        def add(config: dict, reason: str, detail: str) -> None:
+            cfg = bucket_config("triton", config, paged=False)
+            if cfg is None or not self._triton_runs(fmt) \
+                    or not variant_feasible(fmt, rep, q_len, heads, 1, cfg) \
+                    or self.trust(config, fmt, rep, batch, q_len, heads) is None \
+                    or self.trust(cfg, fmt, rep, batch, q_len, heads) is None:
+                return
+            k = config_text(cfg)
+            if k not in seen:
+                seen.add(k)
+                out.append((reason, cfg, f"{label}: {detail}"))
+
+        w = self.ragged.get((fmt, batch, kv_lo, kv_hi, q_len, heads))
+        if w is not None:
+            add(w[6], "exact", f"tuned on a ragged batch at {w[7]:.1f} us")
+        for w in sorted(self.uniform.get((fmt, heads, q_len, 1), ()),
+                        key=lambda w: nearest_distance(batch, rep[0], w[1], w[2])):
+            add(w[6], "nearest", f"variant of tuned shape {w[1]}x{w[2]} ({w[7]:.1f} us there)")
+        h = self.heuristic(fmt, batch, rep, q_len, heads)
+        if h is not None:
+            add(h[0], "heuristic", h[1])
+        out.append(("fallback", None, f"{label}: plain PyTorch"))
         return out
 
     def choose_format(self, batch: int, kv_lens: tuple, q_len: int, heads: int,
@@ -287,7 +315,7 @@ class SubmissionRouter:
 
         return min(present, key=rank)
 
-    def _version_note(self, config: dict) -> None:
+    def _version_note(self) -> None:
         if self.warned or not self.mine:
             return
         self.warned = True
@@ -307,29 +335,65 @@ class SubmissionRouter:
                   ", ".join(f"{k} {tuned[k]} here {here[k]}" for k in diff) + ")",
                   file=sys.stderr)
 
+    def bucket_key(self, data: Any) -> tuple | None:
+        """The bucket cache key of a ragged call from host metadata only (config, KV rows,
+        formats held), or None if the call is not (recognisably) ragged."""
+        try:
+            c, kv_data = data[4], data[1]
+            b, ql, kv_max = c["batch_size"], c["q_seq_len"], c["kv_seq_len"]
+            rows = kv_rows(kv_data, FORMAT_NAMES)
+            if not is_ragged_rows(rows, b, ql, kv_max):
+                return None
+            return (b, ql, c["num_heads"], kv_class(self.edges, rows / b)[1],
+                    tuple(kv_data))
+        except (LookupError, TypeError, ValueError, AttributeError, ZeroDivisionError):
+            return None
+
     def first_call(self, data: Any) -> torch.Tensor:
-        """Check, route, build and run a key's first call; later calls take the cache."""
-        (batch, kv_lens, q_len, heads), present = sub_check_call(data, self.device)
-        self._version_note(data[4])
-        fmt = self.choose_format(batch, kv_lens, q_len, heads, present)
+        """Check, route, build and run a key's first call; later calls take the cache (a
+        ragged call: its bucket's, found from host metadata)."""
+        bkey = self.bucket_key(data)
+        run = self.buckets.get(bkey) if bkey is not None else None
+        if run is not None:
+            return run(data)
+        vals, present, rows = sub_first_checks(data)
+        batch, q_len, kv_max, heads = (vals[f] for f in ("batch_size", "q_seq_len",
+                                                         "kv_seq_len", "num_heads"))
+        if bkey is not None:
+            mean = max(q_len, rows // batch)
+            fmt = self.choose_format(batch, (mean,) * batch, q_len, heads, present)
+            lo, hi = kv_class(self.edges, rows / batch)
+            build_lens = (rep_len(lo, hi, q_len),) * batch
+            routes = self.bucket_decisions(fmt, batch, lo, hi, q_len, heads)
+            what = f"{batch}x({lo},{hi}] {fmt} h{heads} q{q_len}"
+        else:
+            build_lens = (kv_max,) * batch
+            fmt = self.choose_format(batch, build_lens, q_len, heads, present)
+            routes = self.decisions(fmt, batch, build_lens, q_len, heads)
+            what = f"{batch}x{kv_max} {fmt} h{heads} q{q_len}"
+        check_task_tensors(data, batch, q_len, heads, rows, fmt, self.device)
+        sub_check_indptrs(data, batch, q_len, kv_max, rows)
+        self._version_note()
         scale = float(data[4]["sm_scale"])
-        for reason, config, detail in self.decisions(fmt, batch, kv_lens, q_len, heads):
+        for reason, config, detail in routes:
             try:
                 if config is None:
                     def run(d: tuple, fmt: str = fmt) -> torch.Tensor:
                         return sub_torch_decode(d, fmt)
                 else:
-                    run = build_variant(fmt, list(kv_lens), q_len, heads, config, self.device,
-                                        sm_scale=scale)
+                    run = build_variant(fmt, list(build_lens), q_len, heads, config,
+                                        self.device, sm_scale=scale)
                 out = run(data)
             except Exception as e:  # noqa: BLE001 - fall through to the next variant
-                print(f"mla-tune submission: {reason} variant failed for {batch}x"
-                      f"{max(kv_lens)} {fmt} h{heads} q{q_len} ({type(e).__name__}: {e}); "
-                      "trying the next", file=sys.stderr)
+                print(f"mla-tune submission: {reason} variant failed for {what} "
+                      f"({type(e).__name__}: {e}); trying the next", file=sys.stderr)
                 continue
             if self.trace:
-                print(f"mla-tune route: {batch}x{max(kv_lens)} {fmt} h{heads} q{q_len} -> "
-                      f"{reason} {config} ({detail})", file=sys.stderr, flush=True)
-            self.routes[call_key(data[4])] = run
+                print(f"mla-tune route: {what} -> {reason} {config} ({detail})",
+                      file=sys.stderr, flush=True)
+            if bkey is not None:
+                self.buckets[bkey] = run
+            else:
+                self.routes[call_key(data[4])] = run
             return out
         raise RuntimeError("mla-tune submission: every variant failed")
