@@ -21,18 +21,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import benchkit
+import torch
 
-import torch  # noqa: E402
-
-from mla_tune.backends import get_backend  # noqa: E402
-from mla_tune.dispatch import Dispatcher  # noqa: E402
-from mla_tune.evaluate import evaluate_side_by_side  # noqa: E402
-from mla_tune.problem import KVFormat, Shape, generate_input  # noqa: E402
-from mla_tune.reference import mla_decode_reference  # noqa: E402
-from mla_tune.suites import suite_shapes  # noqa: E402
-from mla_tune.timing import CudaTimer, TimingPolicy  # noqa: E402
-from mla_tune.verify import tolerance_for  # noqa: E402
+from mla_tune.backends import get_backend
+from mla_tune.dispatch import Dispatcher
+from mla_tune.evaluate import evaluate_side_by_side
+from mla_tune.problem import KVFormat, Shape
+from mla_tune.suites import suite_shapes
+from mla_tune.timing import CudaTimer, TimingPolicy
+from mla_tune.verify import tolerance_for
 
 PAGES = (1, 64)
 
@@ -47,7 +45,10 @@ def _peer_configs(fmt: KVFormat) -> list[dict[str, Any]]:
 def _time_shape(mla: Dispatcher, shape: Shape, device: torch.device,
                 timer: CudaTimer) -> dict[str, Any]:
     """The dispatcher's variant and the peer's, verified and timed side by side."""
-    decision = mla.decide(shape)
+    # What a call runs: the first variant its backend's precheck lets through.
+    decision = next((d for d in mla.decisions(shape)
+                     if get_backend(d.backend).precheck(shape, d.config, device) is None),
+                    mla.decide(shape))
     candidates: list[tuple[Any, dict[str, Any]]] = [(get_backend(decision.backend),
                                                      dict(decision.config))]
     labels = [f"{decision.backend} [{decision.reason}]"]
@@ -58,8 +59,8 @@ def _time_shape(mla: Dispatcher, shape: Shape, device: torch.device,
             if peer.feasible(shape, cfg):
                 candidates.append((peer, cfg))
                 labels.append(f"flashinfer {cfg['backend']} page {cfg['page_size']}")
-    data = generate_input(shape, seed=0, device=device)
-    ref = mla_decode_reference(*data, kv_format=shape.kv_format.value)
+    data = benchkit.task_input(shape, device)
+    ref = benchkit.reference(data, shape.kv_format)
     outcomes = evaluate_side_by_side(candidates, shape, device, data, ref,
                                      tolerance_for(shape.kv_format), timer)
     result: dict[str, Any] = {"route": labels[0], "ours": None, "peer": None, "peer_cfg": "-",
@@ -86,8 +87,9 @@ def _f(v: float | None) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--db", default=None, help="tuning DB the dispatcher loads (default: "
-                    "the dispatcher's own default)")
+    ap.add_argument("--db", action="append", default=[], help="tuning DB the dispatcher "
+                    "loads (repeatable: several are layered, e.g. a new sweep's over "
+                    "shipped; default: the dispatcher's own default)")
     ap.add_argument("--suite", action="append", default=[], help="suite (repeatable)")
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8", "mxfp4"])
     ap.add_argument("--time-budget", type=float, default=0.5, help="timing seconds per variant")
@@ -96,7 +98,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU: the side-by-side run times kernels on the device")
     device = torch.device("cuda", 0)
-    mla = Dispatcher.from_db(args.db, device)
+    mla = Dispatcher.from_db(args.db or None, device)
     timer = CudaTimer(device, TimingPolicy(budget_s=args.time_budget, max_runs=400))
     formats = [KVFormat.parse(f) for f in args.formats]
     bases: list[Shape] = []
@@ -107,8 +109,10 @@ def main() -> None:
     lines = [f"Dispatcher: {mla.summary()}", "",
              "| shape | " + " | ".join(f"ours {f.value}" for f in formats)
              + " | FlashInfer bf16 (best page) | FlashInfer fp8 | ours best / FlashInfer bf16 "
-             "| routes |", "|---" * (len(formats) + 5) + "|"]
+             "| dispatcher's format / FlashInfer bf16 | routes |",
+             "|---" * (len(formats) + 6) + "|"]
     ratios: list[float] = []
+    chosen_ratios: list[float] = []
     best_ours: list[float] = []
     peer_bf16: list[float] = []
     notes: list[str] = []
@@ -123,6 +127,12 @@ def main() -> None:
         bf16 = row.get(KVFormat.BF16, {}).get("peer")
         fp8 = row.get(KVFormat.FP8, {}).get("peer")
         ratio = min(ours) / bf16 if ours and bf16 else None
+        # The format a call holding all of them runs in (the dispatcher's own choice).
+        pick = mla.choose_format(base, [f.value for f in formats])
+        picked = row[pick]["ours"]
+        chosen = picked / bf16 if picked and bf16 else None
+        if chosen is not None:
+            chosen_ratios.append(chosen)
         if ratio is not None:
             ratios.append(ratio)
             best_ours.append(min(ours))
@@ -133,11 +143,15 @@ def main() -> None:
         lines.append(f"| {base.batch}x{base.kv_lens[0]} h{base.heads} q{base.q_len} | "
                      + " | ".join(_f(row[f]["ours"]) for f in formats)
                      + f" | {peer_cell} | {_f(fp8)} | "
-                     + ("-" if ratio is None else f"{ratio:.2f}x") + f" | {routes} |")
+                     + ("-" if ratio is None else f"{ratio:.2f}x") + " | "
+                     + ("-" if chosen is None else f"{pick.value} {chosen:.2f}x")
+                     + f" | {routes} |")
     lines += ["", f"Geomean over {len(ratios)} shapes: ours (best format) "
               f"{_f(_geomean(best_ours))} µs, FlashInfer bf16 {_f(_geomean(peer_bf16))} µs, "
               f"ratio {_geomean(ratios) or float('nan'):.3f}x; shapes where ours is slower: "
-              f"{sum(r > 1 for r in ratios)} of {len(ratios)}."]
+              f"{sum(r > 1 for r in ratios)} of {len(ratios)}; with the format the "
+              f"dispatcher picks: geomean ratio {_geomean(chosen_ratios) or float('nan'):.3f}x, "
+              f"worst {max(chosen_ratios, default=float('nan')):.2f}x."]
     if notes:
         lines += ["", "Variants not timed:"] + [f"- {n}" for n in notes]
     text = "\n".join(lines)

@@ -23,16 +23,27 @@ num_heads)` from the task's `config`, so no indptr is read and nothing synchroni
 0. `MLA_TUNE_FORCE="backend:key=value,..."` forces a variant wherever it is feasible
    (parameters left out take the backend's first feasible choice);
 1. the tuned winner of the exact shape;
-2. else the winner of the nearest tuned shape with the same KV format, heads and q_len,
-   by distance over (log batch, log kv length), ties to the smaller shape; variants
-   verified at this very shape first, and none stored wrong anywhere in that family
-   (suspect); the decision says when the variant was never verified at this shape;
-3. else the occupancy heuristic (`occupancy_splits`) on the first available family of
-   `HEURISTIC_BACKENDS`;
-4. else the torch family with the first feasible config of its space.
+2. else a variant moved from the nearest tuned uniform shape with the same KV format and
+   page size, of any q_len/heads family, by distance over (log batch, log kv length, log
+   rows per sequence), the call's own family first on ties ("nearest" when the shape is
+   of the call's family, else "transfer"). For a row-blocked family (a `block_m` knob:
+   Triton) the row model (mla_tune/routing_rules.py) re-derives the row knobs: `block_m`
+   the largest block the call's q_len x heads rows fill (kept, or capped, by the tuned
+   shape's own choice), the split count the occupancy model's for this call scaled by the
+   tuned shape's measured count over the model's there; every other knob as tuned where
+   the call's feasible candidates allow (up to `TRANSFER_TRIES` variants, best first). A
+   variant of the call's family verified at this very shape comes first, as tuned;
+3. then the nearest tuned shape of the call's family (format, heads, q_len, page size) by
+   distance over (log batch, log kv length), ties to the smaller shape, its variant as
+   tuned (the only step 2 for families the row model does not describe); none stored
+   wrong anywhere in that family (suspect); the decision says when the variant was never
+   verified at this shape;
+4. else the row model alone (the heuristic) on the first available family of
+   `HEURISTIC_BACKENDS`: the block the rows fill, `occupancy_splits` over its row blocks;
+5. else the torch family with the first feasible config of its space.
 A variant that fails its backend's precheck, its build or its first call falls through to
 the next step. No step ever runs a variant stored wrong for the call's exact shape.
-Fallbacks are logged once per key (nearest: INFO; heuristic and torch: WARNING);
+Fallbacks are logged once per key (nearest: INFO; transfer, heuristic and torch: WARNING);
 `MLA_TUNE_TRACE=1` prints every routing decision once per key to stderr. Routing depends
 only on the loaded table, the call's shape and the device model, never on timing or GPU
 index, so every rank of a job runs the same variants (a variant that fails on one rank is
@@ -41,8 +52,9 @@ the only exception).
 KV format. The task's `kv_data` holds several formats; unless `kv_format=` pins one, each
 shape runs in the format, among those present in the call, with the fastest tuned winner
 for the exact shape. Without an exact winner in any present format, the nearest tuned
-shapes' medians are compared, scaled by the ratio of KV tokens (decode is memory-bound);
-formats without tuned data come last, in the order bf16, fp8, mxfp4.
+shapes' medians are compared (those of the call's family before those of other
+families), scaled by the ratio of KV tokens (decode is memory-bound); formats without
+tuned data come last, in the order bf16, fp8, mxfp4.
 
 Ragged batches. The config gives only the longest kv length and the lengths live on the
 device. A task tuple whose KV holds fewer than `batch * kv_seq_len` rows (and at least the
@@ -59,7 +71,7 @@ Hot path. Per call: the key lookup, dtype/shape/device/contiguity checks and the
 fixed fields and `sm_scale` (a wrong input raises ValueError naming the argument, before
 any launch, exactly as on a first call) and the kernel. The tensor checks are
 most of the dispatcher's cost (14 tensor-metadata reads: the dispatcher adds 3.75 us per
-call with them and 0.60 us without on the H200 host, bench/results/h200_session_2026-11-30.md);
+call with them and 0.60 us without on the H200 host, bench/results/dispatch_overhead.md);
 `check_inputs=False` keeps them for a key's first call
 only, for callers that guarantee every later call matches its config and holds the same
 KV formats (and KV rows: a ragged call of a config first called uniform would run the
@@ -75,7 +87,6 @@ once. Uniform keys are exact shapes; ragged calls go by length bucket (above).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import threading
@@ -88,23 +99,29 @@ import torch
 
 from mla_tune.backends import Backend, get_backend
 from mla_tune.fingerprint import CORE_PACKAGES, current_device, current_software, software_diff
-from mla_tune.problem import (
-    KV_LORA_RANK,
-    QK_HEAD_DIM,
-    QK_ROPE_HEAD_DIM,
-    SM_SCALE,
-    V_HEAD_DIM,
-    KVFormat,
-    Shape,
-    ShapeError,
-    TaskInput,
+from mla_tune.input_checks import (
+    E8M0_DTYPES,
+    FP4_DTYPES,
+    FP4_PACKED_DIM,
+    FP8_DTYPES,
+    MXFP4_BLOCKS,
+    TASK_FIXED_FIELDS,
+    check_config,
+    check_sizes,
+    check_task_tensors,
+    check_tensor,
 )
+from mla_tune.problem import QK_HEAD_DIM, KVFormat, Shape, ShapeError, TaskInput
 from mla_tune.routing_rules import (
     CALL_KEY_FIELDS,
-    closest_splits,
+    ROW_BLOCK_KNOB,
+    distinct_variants,
     format_rank,
+    model_knobs,
+    model_ranking,
     nearest_distance,
     occupancy_splits,
+    transfer_distance,
     trust_tier,
 )
 from mla_tune.space import ConfigError, ParamSpace, config_key
@@ -118,17 +135,14 @@ HEURISTIC_BACKENDS = ("triton", "torch")
 LAST_RESORT = "torch"
 FORMAT_ORDER = (KVFormat.BF16, KVFormat.FP8, KVFormat.MXFP4)
 RAGGED_CACHE = 64
-FP4_PACKED_DIM = QK_HEAD_DIM // 2
-MXFP4_BLOCKS = QK_HEAD_DIM // 32
-
-_FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e4m3fnuz})
-_FP4_DTYPES = frozenset({torch.uint8} | ({torch.float4_e2m1fn_x2}
-                                        if hasattr(torch, "float4_e2m1fn_x2") else set()))
-_E8M0_DTYPES = frozenset({torch.uint8} | ({torch.float8_e8m0fnu}
-                                         if hasattr(torch, "float8_e8m0fnu") else set()))
+TRANSFER_TRIES = 3
+"""Variants a moved tuned shape offers (best first), so one the precheck prunes (a spill
+the shape arithmetic cannot see) falls to the next moved variant, not the heuristic."""
+_FP8_DTYPES, _FP4_DTYPES, _E8M0_DTYPES = FP8_DTYPES, FP4_DTYPES, E8M0_DTYPES
 _KEY_FIELDS = CALL_KEY_FIELDS
-_FIXED_FIELDS = {"num_kv_heads": 1, "qk_head_dim": QK_HEAD_DIM, "kv_lora_rank": KV_LORA_RANK,
-                 "qk_rope_head_dim": QK_ROPE_HEAD_DIM, "v_head_dim": V_HEAD_DIM}
+_FIXED_FIELDS = TASK_FIXED_FIELDS
+# The input checks are shared with the exported submission (mla_tune/input_checks.py).
+_config_values, _sizes_match, _check_tensor = check_config, check_sizes, check_tensor
 
 Runner = Callable[[TaskInput], torch.Tensor]
 
@@ -140,7 +154,7 @@ class Decision:
     shape: Shape
     backend: str
     config: dict[str, Any]
-    reason: str  # forced | exact | nearest | heuristic | fallback
+    reason: str  # forced | exact | nearest | transfer | heuristic | fallback
     detail: str
     tuned_us: float | None = None
     tuned_shape: Shape | None = None
@@ -224,53 +238,6 @@ def _typed_force(space: ParamSpace, raw: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def _config_values(config: Any) -> dict[str, int]:
-    """The key fields of a call's config, after checking every field the task's config
-    has (a missing or other-valued one is a ValueError naming it): the kernels assume
-    them, and the Triton family's scale is built in."""
-    if not isinstance(config, Mapping):
-        raise ValueError(f"config must be a dict, got {type(config).__name__}")
-    vals = {}
-    for f in _KEY_FIELDS:
-        v = config.get(f)
-        if type(v) is not int or v < 1:
-            raise ValueError(f"config[{f!r}] must be a positive int, got {v!r:.80}")
-        vals[f] = v
-    for f, want in _FIXED_FIELDS.items():
-        if f not in config:
-            raise ValueError(f"config lacks {f!r} (the task's config has {f}={want})")
-        if config[f] != want:
-            raise ValueError(f"config[{f!r}] is {config[f]!r:.80}; MLA decode here needs "
-                             f"{want}")
-    scale = config.get("sm_scale")
-    if scale is None:
-        raise ValueError(f"config lacks 'sm_scale' (the task's is 1/sqrt({QK_HEAD_DIM}) = "
-                         f"{SM_SCALE})")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
-            or not math.isclose(scale, SM_SCALE, rel_tol=1e-6):
-        raise ValueError(f"config['sm_scale'] is {scale!r:.80}; the tuned kernels use "
-                         f"1/sqrt({QK_HEAD_DIM}) = {SM_SCALE}")
-    return vals
-
-
-def _sizes_match(data: Any, vals: Mapping[str, int]) -> None:
-    """Compare the config with the tensors' sizes before anything is built from it, so a
-    config claiming a batch of 10**8 fails at once instead of after gigabytes."""
-    batch, rows = vals["batch_size"], vals["batch_size"] * vals["q_seq_len"]
-    q, _, qo, kvp, _ = data
-    if isinstance(q, torch.Tensor) and q.dim() == 3 \
-            and (q.shape[0] != rows or q.shape[1] != vals["num_heads"]):
-        raise ValueError(f"q has shape {tuple(q.shape)}; config batch_size {batch}, "
-                         f"q_seq_len {vals['q_seq_len']} and num_heads {vals['num_heads']} "
-                         f"need ({rows}, {vals['num_heads']}, {QK_HEAD_DIM})")
-    for t, n in ((qo, "qo_indptr"), (kvp, "kv_indptr")):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
-        if t.numel() != batch + 1:
-            raise ValueError(f"{n} has {t.numel()} elements; expected {batch + 1} (config "
-                             f"batch_size {batch})")
-
-
 def _config_shape(config: Any, kv_lens: Sequence[int] | None,
                   kv_format: KVFormat, data: Any = None) -> Shape:
     """The Shape of a call, from its config (and host kv lengths when ragged), checked
@@ -296,59 +263,11 @@ def _config_shape(config: Any, kv_lens: Sequence[int] | None,
         raise ValueError(f"config/kv_lens: {e}") from None
 
 
-def _check_tensor(t: Any, name: str, dtypes: Iterable[torch.dtype],
-                  shape: tuple[int, ...] | int, device: torch.device,
-                  contiguous: bool = False) -> None:
-    """Raise ValueError naming `name` unless `t` matches. `shape` is exact, except that a
-    negative entry -n means at least n; an int means that many elements, any shape."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    allowed = sorted(str(d) for d in dtypes)
-    if str(t.dtype) not in allowed:
-        raise ValueError(f"{name} has dtype {t.dtype}; expected {' or '.join(allowed)}")
-    if isinstance(shape, int):
-        if t.numel() != shape:
-            raise ValueError(f"{name} has {t.numel()} elements; expected {shape}")
-    elif t.dim() != len(shape) or any(t.shape[i] < -w if w < 0 else t.shape[i] != w
-                                      for i, w in enumerate(shape)):
-        want = tuple(f">={-w}" if w < 0 else w for w in shape)
-        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {want}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}; the dispatcher runs on {device}")
-    if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
 def validate_inputs(data: Any, shape: Shape, device: torch.device) -> None:
     """Validate a call against `shape` and `device`, raising ValueError that names the
     offending argument; the slow, explicit twin of the runners' fast checks."""
-    if not isinstance(data, (tuple, list)) or len(data) != 5:
-        raise ValueError("data must be the tuple (q, kv_data, qo_indptr, kv_indptr, config)")
-    q, kv_data, qo, kvp, _ = data
-    _check_tensor(q, "q", [torch.bfloat16], (shape.total_q, shape.heads, QK_HEAD_DIM),
-                  device, contiguous=True)
-    fmt = shape.kv_format.value
-    if not isinstance(kv_data, Mapping):
-        raise ValueError(f"kv_data must be a dict of KV formats, got {type(kv_data).__name__}")
-    if fmt not in kv_data:
-        raise ValueError(f"kv_data lacks {fmt!r}, the format this call runs in")
-    entry, name, rows = kv_data[fmt], f"kv_data[{fmt!r}]", shape.total_kv
-    if shape.kv_format is KVFormat.BF16:
-        _check_tensor(entry, name, [torch.bfloat16], (rows, 1, QK_HEAD_DIM), device, True)
-    else:
-        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
-            raise ValueError(f"{name} must be a (values, scale) pair")
-        if shape.kv_format is KVFormat.FP8:
-            _check_tensor(entry[0], f"{name}[0]", _FP8_DTYPES, (rows, 1, QK_HEAD_DIM), device,
-                          True)
-            _check_tensor(entry[1], f"{name}[1]", [torch.float32], 1, device)
-        else:
-            _check_tensor(entry[0], f"{name}[0]", _FP4_DTYPES, (rows, 1, FP4_PACKED_DIM),
-                          device, True)
-            _check_tensor(entry[1], f"{name}[1]", _E8M0_DTYPES, (-rows, -MXFP4_BLOCKS),
-                          device)
-    for t, n in ((qo, "qo_indptr"), (kvp, "kv_indptr")):
-        _check_tensor(t, n, [torch.int32], shape.batch + 1, device)
+    check_task_tensors(data, shape.batch, shape.q_len, shape.heads, shape.total_kv,
+                       shape.kv_format.value, device)
 
 
 def _make_runner(fn: Runner, shape: Shape, device: torch.device, config: Mapping[str, Any],
@@ -437,19 +356,22 @@ class Dispatcher:
     # -- loading ----------------------------------------------------------------------
 
     @classmethod
-    def from_db(cls, url_or_path: str | None = None, device: str | torch.device | None = None,
+    def from_db(cls, url_or_path: str | Sequence[str] | None = None,
+                device: str | torch.device | None = None,
                 *, kv_format: KVFormat | str | None = None, strict: bool = False,
                 check_inputs: bool = True) -> "Dispatcher":
         """Load the tuning DB's winners once (this device's are kept: module docstring).
         Without `url_or_path` and $MLA_TUNE_DB, the user's ./tuning.db (when it exists) and
-        the winners shipped with mla-tune are layered: records of both, ranked as usual.
+        the winners shipped with mla-tune are layered: records of both, ranked as usual;
+        so are the DBs of a sequence `url_or_path` (e.g. a new sweep's and "shipped").
         A DB is opened read-only (`TuningStore(read_only=True)`): never created, migrated
         or locked. A missing, unreadable, corrupt or other-schema DB (or no SQLAlchemy
         installed) is a warning, never an error; so is a winner row that does not decode
         (that row is skipped, not the table)."""
         dev = _default_device(device)
         here = current_device(dev).hash
-        sources: list[str | None] = [url_or_path]
+        sources: list[str | None] = ([url_or_path] if url_or_path is None
+                                     or isinstance(url_or_path, str) else list(url_or_path))
         if not url_or_path:
             try:
                 from mla_tune.db import default_db_path, shipped_db_url
@@ -639,59 +561,139 @@ class Dispatcher:
         return None
 
     def _tuned(self, shape: Shape) -> Decision | None:
-        """The exact winner, else the nearest feasible tuned uniform shape's variant."""
+        """The exact winner, else the first variant moved from or copied off a nearby
+        tuned shape (module docstring, steps 1-3)."""
+        found = self._tuned_all(shape)
+        return found[0] if found else None
+
+    def _tuned_all(self, shape: Shape) -> list[Decision]:
+        """The exact winner; else, in the order tried: a variant of the call's family
+        verified at this very shape (as tuned), the nearest tuned shape's variant moved by
+        the row model ("nearest" when that shape is of the call's family, else
+        "transfer"), then the nearest tuned shape of the call's family's variant as tuned
+        (the only step for families the row model does not describe)."""
         w = self._table.get(shape.key)
         if w is not None:
             note = f" (tuned under other {'/'.join(w.stack_diff)})" if w.stack_diff else ""
-            return Decision(shape, w.record.backend, w.config, "exact",
-                            f"tuned winner of this shape, {w.record.median_us:.1f} us{note}",
-                            w.record.median_us, w.record.shape)
+            return [Decision(shape, w.record.backend, w.config, "exact",
+                             f"tuned winner of this shape, {w.record.median_us:.1f} us{note}",
+                             w.record.median_us, w.record.shape)]
+        as_tuned = self._nearest_as_tuned(shape)
+        out = [d for tier, d in as_tuned if tier == 0]
+        out += self._moved(shape)
+        out += [d for tier, d in as_tuned if tier > 0][:1]
+        return out
 
+    def _nearest_as_tuned(self, shape: Shape) -> list[tuple[int, Decision]]:
+        """(trust tier, decision) of the nearest feasible tuned uniform shapes of the call's
+        family, their variants as tuned: the first verified at this shape, if any, and the
+        first by distance over (log batch, log kv length). Never a variant stored wrong
+        here, nor one wrong elsewhere in the family (suspect: the heuristic comes first)."""
         def distance(w: _Winner) -> tuple[float, int, int]:
             s = w.record.shape
             return nearest_distance(shape.batch, shape.kv_len, s.batch, s.kv_len)
 
-        # Never a variant stored wrong here, nor one wrong elsewhere in the family (suspect:
-        # the heuristic comes first); verified here beats never verified, then distance.
         ranked = []
         for w in self._uniform.get(_shape_family(shape), ()):
             t = self.trust(w.record.backend, w.config, shape)
             if t is not None and t[0] < 2:
                 ranked.append((t[0], distance(w), t[1], w))
+        out: list[tuple[int, Decision]] = []
         for tier, dist, why, w in sorted(ranked, key=lambda x: x[:2]):
             fam = self._family(w.record.backend)
             if isinstance(fam, str) or fam.backend.supports(shape) is not None \
-                    or not fam.backend.feasible(shape, w.config):
+                    or not fam.backend.feasible(shape, w.config) \
+                    or any(t == tier for t, _ in out):
                 continue
             s = w.record.shape
             kind = "ragged call: variant of" if shape.is_ragged else "no winner here; variant of"
-            return Decision(shape, w.record.backend, w.config, "nearest",
-                            f"{kind} nearest tuned shape {s.label()} (log distance "
-                            f"{dist[0]:.2f}, {w.record.median_us:.1f} us there; {why})",
-                            w.record.median_us, s)
-        return None
+            out.append((tier, Decision(
+                shape, w.record.backend, w.config, "nearest",
+                f"{kind} nearest tuned shape {s.label()} as tuned (log distance "
+                f"{dist[0]:.2f}, {w.record.median_us:.1f} us there; {why})",
+                w.record.median_us, s)))
+        return out
+
+    def _moved(self, shape: Shape) -> list[Decision]:
+        """The nearest tuned uniform shape of any q_len/heads family (same format and page
+        size) by `transfer_distance` (the call's own family first on ties), its variant
+        moved by the row model: block and splits re-derived, other knobs kept where the
+        call's feasible candidates allow; a few alternatives, in case the first fails its
+        precheck. Only row-blocked variants (a `block_m` knob) move: of other families
+        nothing says how a config tuned for other rows behaves."""
+        rows = shape.q_len * shape.heads
+        own = _shape_family(shape)
+        sources = []
+        for fam_key, winners in self._uniform.items():
+            if (fam_key[0], fam_key[3]) != (shape.kv_format, shape.page_size):
+                continue
+            for w in winners:
+                if ROW_BLOCK_KNOB not in w.config:
+                    continue  # the model moves row-blocked variants only
+                s = w.record.shape
+                sources.append((transfer_distance(shape.batch, shape.kv_len, rows,
+                                                  shape.q_len, s.batch, s.kv_len,
+                                                  s.q_len * s.heads, s.q_len),
+                                fam_key != own, w))
+        for dist, other, w in sorted(sources, key=lambda x: (x[0][0], x[1], x[0][1:],
+                                                             x[2].record.backend,
+                                                             config_key(x[2].config))):
+            fam = self._family(w.record.backend)
+            if isinstance(fam, str) or fam.backend.supports(shape) is not None:
+                continue
+            moved = self._row_model(w.record.backend, fam, shape, w, TRANSFER_TRIES)
+            if not moved:
+                continue
+            s = w.record.shape
+            what = ("a tuned shape of another q_len/heads family" if other
+                    else "ragged call: nearest tuned shape" if shape.is_ragged
+                    else "no winner here; nearest tuned shape")
+            head = (f"{what} {s.label()} (distance {dist[0]:.2f} over log batch, kv, "
+                    f"rows; {w.record.median_us:.1f} us there)")
+            return [Decision(shape, w.record.backend, config,
+                             "transfer" if other else "nearest",
+                             f"{head}; {note}; {trust[1]}", w.record.median_us, s)
+                    for config, trust, note in moved]
+        return []
+
+    def _row_model(self, name: str, fam: _Family, shape: Shape, source: _Winner | None,
+                   limit: int) -> list[tuple[dict[str, Any], tuple[int, str], str]]:
+        """Up to `limit` feasible configs of family `name` for `shape`, best first, by the
+        row model (`routing_rules.model_knobs`): moved from `source`'s tuned variant, or
+        the heuristic's when None; none stored wrong here. Each with its trust and a note
+        on what the model wanted."""
+        cands = fam.backend.candidates(shape, self.device)
+        trusted = [(c, t) for c in cands if (t := self.trust(name, c, shape)) is not None]
+        if not trusted:
+            return []
+        rows = shape.q_len * shape.heads
+        blocks = {int(c[ROW_BLOCK_KNOB]) for c, _ in trusted if ROW_BLOCK_KNOB in c}
+        src = None
+        if source is not None:
+            s = source.record.shape
+            src = (source.config, s.batch, s.q_len * s.heads, s.kv_len)
+        most = max((int(c.get("num_splits", 1)) for c, _ in trusted), default=1)
+        block_m, want = model_knobs(shape.batch, rows, shape.kv_len, self.fingerprint.sm_count,
+                                    blocks or {16}, src, max_splits=max(most, 1))
+        order = model_ranking([c for c, _ in trusted], block_m if blocks else None, want,
+                              source.config if source is not None else None,
+                              dict(fam.space.params), [t[0] == 2 for _, t in trusted])
+        unit = "cores" if self.fingerprint.vendor == "cpu" else "SMs"
+        note = (f"row model: {rows} rows" + (f" in blocks of {block_m}" if blocks else "")
+                + f", {want:.3g} split(s) over {self.fingerprint.sm_count} {unit}")
+        picked = distinct_variants([c for c, _ in trusted], order, limit)
+        return [(trusted[i][0], trusted[i][1], note) for i in picked]
 
     def _heuristic(self, shape: Shape) -> Decision | None:
-        units = self.fingerprint.sm_count
-        splits = occupancy_splits(shape.batch, shape.q_len * shape.heads, shape.kv_len, units)
+        """The row model without a tuned shape on the first available family of
+        `HEURISTIC_BACKENDS`: the block the rows fill, the occupancy model's splits."""
         for name in HEURISTIC_BACKENDS:
             fam = self._family(name)
             if isinstance(fam, str) or fam.backend.supports(shape) is not None:
                 continue
-            cands = fam.backend.candidates(shape, self.device)
-            trust = {i: t for i, c in enumerate(cands)
-                     if (t := self.trust(name, c, shape)) is not None}
-            if not trust:
-                continue
-
-            # Without a num_splits knob every gap ties: the first unsuspected candidate.
-            idx = sorted(trust)
-            best = idx[closest_splits([cands[i].get("num_splits", 1) for i in idx], splits,
-                                      [trust[i][0] == 2 for i in idx])]
-            unit = "cores" if self.fingerprint.vendor == "cpu" else "SMs"
-            return Decision(shape, name, cands[best], "heuristic",
-                            f"no tuned shape of this format/heads/q_len; occupancy model "
-                            f"wants {splits} split(s) over {units} {unit}; {trust[best][1]}")
+            for config, trust, note in self._row_model(name, fam, shape, None, 1):
+                return Decision(shape, name, config, "heuristic",
+                                f"no tuned shape to move here; {note}; {trust[1]}")
         return None
 
     def _last_resort(self, shape: Shape) -> Decision | None:
@@ -712,7 +714,7 @@ class Dispatcher:
         """Every variant a call of `shape` may run, in the order they are tried."""
         out: list[Decision] = []
         seen: set[tuple[str, str]] = set()
-        for d in (self._forced(shape), self._tuned(shape), self._heuristic(shape),
+        for d in (self._forced(shape), *self._tuned_all(shape), self._heuristic(shape),
                   self._last_resort(shape)):
             if d is None or (d.backend, config_key(d.config)) in seen:
                 continue
@@ -866,7 +868,7 @@ class Dispatcher:
             print(f"mla-tune route: {d.describe()}", file=sys.stderr, flush=True)
         if d.reason == "nearest":
             log.info("mla-tune: %s", d.describe())
-        elif d.reason in ("heuristic", "fallback"):
+        elif d.reason in ("transfer", "heuristic", "fallback"):
             log.warning("mla-tune: %s", d.describe())
 
 

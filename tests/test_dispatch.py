@@ -2,9 +2,11 @@
 
 import json
 import logging
+import math
 import sqlite3
 import threading
 from contextlib import closing
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,8 +19,9 @@ import mla_tune.dispatch as dispatch
 from mla_tune.backends import get_backend, register
 from mla_tune.backends.base import Availability, Backend
 from mla_tune.backends.torch_family import TorchFamily
+from mla_tune.backends.triton_family import TritonFamily
 from mla_tune.cli import app
-from mla_tune.db import TuningStore
+from mla_tune.db import TrialGroup, TrialResult, TuningStore
 from mla_tune.dispatch import Dispatcher, occupancy_splits
 from mla_tune.fingerprint import (
     DeviceFingerprint,
@@ -28,9 +31,16 @@ from mla_tune.fingerprint import (
 )
 from mla_tune.problem import Shape, generate_input
 from mla_tune.reference import mla_decode_reference
-from mla_tune.space import ParamSpace
+from mla_tune.routing_rules import model_knobs
+from mla_tune.space import ParamSpace, load_backend_space
 from mla_tune.verify import Tolerance, check, tolerance_for
-from mla_tune.winners_json import export_winners, import_winners
+from mla_tune.winner_selection import update_winner
+from mla_tune.winners_json import (
+    WinnerRecord,
+    export_winners,
+    import_winners,
+    write_winners_json,
+)
 from tests.fixtures.sweep_db import swept_db
 
 runner = CliRunner()
@@ -155,11 +165,10 @@ def _record_winner(store, device, software, shape, source_hash=None, config=None
     source = source_hash or torch_family.source_hash()
     config = config or {"num_splits": 4, "chunk_size": 0, "compute_dtype": "float32"}
     dev_id, sw_id = store.device_id(device), store.software_id(software)
-    store.record_trial(device_id=dev_id, software_id=sw_id, shape_key=shape.key,
-                       shape_json=shape.to_json(), kv_format=shape.kv_format.value,
-                       backend="torch", source_hash=source, config=config, status="ok",
-                       stats={"median_us": median_us})
-    assert store.update_winner(dev_id, sw_id, shape.key, {"torch": source}) is not None
+    store.record_trial(TrialGroup(dev_id, sw_id, shape.key, "torch", source),
+                       TrialResult(shape.to_json(), shape.kv_format.value, config, "ok",
+                                   stats={"median_us": median_us}))
+    assert update_winner(store, dev_id, sw_id, shape.key, {"torch": source}) is not None
 
 
 def test_foreign_device_and_stale_sources_are_ignored(tmp_path):
@@ -526,12 +535,11 @@ def _verdict_db(path, winners, checked):
             for config in configs:
                 verdict = check(torch_family.build(shape, config, cpu)(data), ref,
                                 tolerance_for("bf16"))
-                store.record_trial(device_id=dev, software_id=sw, shape_key=shape.key,
-                                   shape_json=shape.to_json(), kv_format="bf16",
-                                   backend="torch", source_hash=source, config=config,
-                                   status="ok" if verdict.ok else "wrong",
-                                   stats={"median_us": 10.0} if verdict.ok else None)
-            store.update_winner(dev, sw, shape.key, {"torch": source})
+                store.record_trial(TrialGroup(dev, sw, shape.key, "torch", source),
+                                   TrialResult(shape.to_json(), "bf16", config,
+                                               "ok" if verdict.ok else "wrong",
+                                               stats={"median_us": 10.0} if verdict.ok else None))
+            update_winner(store, dev, sw, shape.key, {"torch": source})
 
 
 BF16_COMPUTE = {"num_splits": 1, "chunk_size": 0, "compute_dtype": "bfloat16"}
@@ -627,3 +635,197 @@ def test_an_imported_winners_file_keeps_where_its_configs_were_stored_wrong(verd
             s.key for s in CALLS_STORED_WRONG}
     d = Dispatcher.from_db(str(tmp_path / "imported.db"), "cpu", kv_format="bf16")
     assert all(x.config != BF16_COMPUTE for s in CALLS_STORED_WRONG for x in d.decisions(s))
+
+
+# --- the row model: transfer across q_len/heads families, and the heuristic -----------------
+
+class TritonStandIn(TritonFamily):
+    """The Triton family's H200 space and feasibility, routed on CPU: its build runs the
+    torch family's float32 kernel (correct for every shape, so the dispatcher's calls are
+    checked against the reference), and its precheck prunes bf16's 3 stages of 64-key
+    tiles as the sm_90 static check does (shared memory over the limit)."""
+
+    def available(self, device):
+        return Availability(True)
+
+    def declared_space(self, device):
+        return load_backend_space("triton", "cuda")
+
+    def precheck(self, shape, config, device):
+        if shape.kv_format.value == "bf16" and (config["block_n"], config["num_stages"]) \
+                == (64, 3):
+            return "cuda:90: shared memory 262168 B over 232448"
+        return None
+
+    def compile_key(self, shape, config, device):
+        return None
+
+    def build(self, shape, config, device):
+        return TorchFamily().build(shape, {"num_splits": 1, "chunk_size": 0,
+                                           "compute_dtype": "float32"}, device)
+
+    def source_files(self):
+        return [Path(__file__)]
+
+
+SWEPT_Q1H16 = {"block_m": 16, "block_n": 32, "compute": "bf16", "fast_mode": True,
+               "fp8_convert": "staged", "kv_load": "tma_host", "num_splits": 4,
+               "num_stages": 3, "num_warps": 4, "page_size": 1}
+
+
+@pytest.fixture()
+def standin(monkeypatch):
+    """The stand-in registered as "triton" (undone after the test)."""
+    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
+    monkeypatch.setattr(backends, "_instances", dict(backends._instances))
+    register("triton", "tests.test_dispatch:TritonStandIn")
+    return get_backend("triton")
+
+
+def _triton_winner(shape, config, median_us, ok=(), wrong=()):
+    return WinnerRecord(current_device("cpu"), current_software(), shape, "triton",
+                        get_backend("triton").source_hash(), dict(config), median_us,
+                        tuple(ok), tuple(wrong))
+
+
+def _as_h200(d):
+    """The dispatcher's row model counting the H200's 132 SMs instead of this CPU's
+    cores (the table is loaded already; only the model's unit count changes)."""
+    d.fingerprint = replace(d.fingerprint, sm_count=132)
+    return d
+
+
+Q4H32 = Shape.uniform(2, 256, q_len=4, heads=32)  # 128 rows per sequence
+
+
+def test_a_family_without_winners_runs_a_transferred_variant_with_its_rows_re_derived(
+        standin, monkeypatch, caplog, capfd):
+    monkeypatch.setenv("MLA_TUNE_TRACE", "1")
+    caplog.set_level(logging.INFO, logger="mla_tune.dispatch")
+    near, far = Shape.uniform(2, 256), Shape.uniform(16, 1024)
+    d = _as_h200(Dispatcher([_triton_winner(near, SWEPT_Q1H16, 12.0),
+                             _triton_winner(far, dict(SWEPT_Q1H16, num_splits=1), 30.0)],
+                            "cpu", kv_format="bf16"))
+    chain = d.decisions(Q4H32)
+    moved = [x for x in chain if x.reason == "transfer"]
+    assert chain[:len(moved)] == moved and len(moved) == 3
+    first = moved[0]
+    assert first.tuned_shape == near and first.backend == "triton"
+    # 128 rows in 4 blocks of 32 (8 warps, 64-key tiles); host descriptors need q_len 1,
+    # so TMA loads; everything else as tuned.
+    assert {k: first.config[k] for k in ("block_m", "num_warps", "block_n", "kv_load")} == \
+        {"block_m": 32, "num_warps": 8, "block_n": 64, "kv_load": "tma"}
+    assert {k: first.config[k] for k in ("compute", "fast_mode", "num_stages")} == \
+        {"compute": "bf16", "fast_mode": True, "num_stages": 3}
+    _, want = model_knobs(2, 128, 256, 132, {16, 32}, (SWEPT_Q1H16, 2, 16, 256))
+    feasible = {c["num_splits"] for c in standin.candidates(Q4H32, d.device)
+                if c["block_m"] == 32 and c["num_splits"]}
+    assert first.config["num_splits"] == min(
+        feasible, key=lambda n: abs(math.log2(n) - math.log2(want)))
+    assert "transfer" in first.describe() and "128 rows in blocks of 32" in first.detail
+    assert all(standin.feasible(Q4H32, x.config) for x in chain if x.backend == "triton")
+    # The first transferred variant fails its precheck; the next one runs, announced once.
+    data = generate_input(Q4H32)
+    capfd.readouterr()
+    for _ in range(3):
+        assert_matches_reference(d.run(data), data)
+    ran = [r.message for r in caplog.records if "[transfer]" in r.message]
+    assert len(ran) == 1 and '"num_stages":3' not in ran[0] and '"block_m":32' in ran[0]
+    assert any("precheck" in r.message for r in caplog.records)
+    trace = [x for x in capfd.readouterr().err.splitlines() if x.startswith("mla-tune route")]
+    assert trace == [f"mla-tune route: {ran[0].removeprefix('mla-tune: ')}"]
+
+
+def test_a_transfer_never_runs_a_variant_stored_wrong_at_the_call(standin):
+    near = Shape.uniform(2, 256)
+    table = [_triton_winner(near, SWEPT_Q1H16, 12.0)]
+    first = Dispatcher(table, "cpu", kv_format="bf16").decide(Q4H32).config
+    # The same config, tuned for MXFP4 elsewhere, was stored wrong at this very call.
+    elsewhere = Shape.uniform(4, 512, q_len=2, heads=64, kv_format="mxfp4")
+    d = Dispatcher(table + [_triton_winner(elsewhere, first, 20.0, wrong=(Q4H32,))], "cpu",
+                   kv_format="bf16")
+    chain = d.decisions(Q4H32)
+    assert chain[0].reason == "transfer" and first not in [x.config for x in chain]
+    assert d.trust("triton", first, Q4H32) is None
+
+
+def test_the_heuristic_covers_the_rows_with_the_occupancy_models_splits(standin):
+    d = _as_h200(Dispatcher([], "cpu", kv_format="bf16"))
+    for shape, block_m in ((Q4H32, 32), (Shape.uniform(2, 256), 16),
+                           (Shape.uniform(8, 1024, q_len=2, heads=16), 32)):
+        h = d.decide(shape)
+        rows = shape.q_len * shape.heads
+        assert (h.reason, h.backend, h.config["block_m"]) == ("heuristic", "triton", block_m)
+        want = occupancy_splits(shape.batch, rows, shape.kv_len, 132, rows_per_block=block_m)
+        assert f"{want:.3g} split(s) over 132 " in h.detail
+        feasible = {c["num_splits"] for c in standin.candidates(shape, d.device)
+                    if c["block_m"] == block_m and c["num_splits"]}
+        assert h.config["num_splits"] == min(
+            feasible, key=lambda n: abs(math.log2(n) - math.log2(want)))
+
+
+def test_the_nearest_variant_in_the_family_gets_the_models_split_count_first(standin):
+    tuned = Shape.uniform(32, 1024)  # 4 splits: 128 programs, one wave of the H200
+    d = _as_h200(Dispatcher([_triton_winner(tuned, SWEPT_Q1H16, 25.0)], "cpu",
+                            kv_format="bf16"))
+    call = Shape.uniform(4, 1024)  # 8x fewer sequences: the model wants more splits
+    chain = [x for x in d.decisions(call) if x.reason == "nearest"]
+    _, want = model_knobs(4, 16, 1024, 132, {16}, (SWEPT_Q1H16, 32, 16, 1024), max_splits=32)
+    assert want > 4 * 4
+    assert chain[0].config == dict(SWEPT_Q1H16, num_splits=32)
+    assert chain[0].tuned_shape == tuned and "row model" in chain[0].detail
+    # Then the other moved alternatives, then the tuned variant itself, as tuned.
+    assert chain[-1].config == SWEPT_Q1H16 and "as tuned" in chain[-1].detail
+    assert all("row model" in x.detail for x in chain[:-1])
+
+
+def test_a_neighbouring_family_at_the_calls_size_beats_its_own_family_far_away(standin):
+    # The call's family is tuned 8x away in batch only; a family with twice the heads is
+    # tuned at the call's own batch and KV length: its variant moves first.
+    far, beside = Shape.uniform(32, 1024), Shape.uniform(4, 1024, heads=32)
+    wide = dict(SWEPT_Q1H16, num_splits=4)
+    d = _as_h200(Dispatcher([_triton_winner(far, SWEPT_Q1H16, 25.0),
+                             _triton_winner(beside, wide, 15.0)], "cpu", kv_format="bf16"))
+    chain = d.decisions(Shape.uniform(4, 1024))
+    assert chain[0].reason == "transfer" and chain[0].tuned_shape == beside
+    assert [x.tuned_shape for x in chain if x.reason == "nearest"][-1] == far
+    assert chain[0].config["block_m"] == 16 and "another q_len/heads family" in \
+        chain[0].detail
+
+
+def test_formats_without_a_winner_in_the_family_compare_their_transfer_sources(standin):
+    src = Shape.uniform(2, 256)
+    d = Dispatcher([_triton_winner(src, SWEPT_Q1H16, 30.0),
+                    _triton_winner(src.with_format("fp8"),
+                                   dict(SWEPT_Q1H16, compute="fp8", kv_load="pointer"), 10.0)],
+                   "cpu")
+    assert d.choose_format(Q4H32, ["bf16", "fp8", "mxfp4"]).value == "fp8"
+    wide = dict(SWEPT_Q1H16, block_m=32, num_warps=8, block_n=64, kv_load="tma")
+    exact = Dispatcher([_triton_winner(Q4H32, wide, 40.0),
+                        _triton_winner(src.with_format("fp8"),
+                                       dict(SWEPT_Q1H16, compute="fp8", kv_load="pointer"),
+                                       10.0)], "cpu")
+    assert exact.choose_format(Q4H32, ["bf16", "fp8"]).value == "bf16"  # exact first
+
+
+def test_route_command_shows_the_transfer(standin, tmp_path):
+    path = tmp_path / "w.json"
+    write_winners_json([_triton_winner(Shape.uniform(2, 256), SWEPT_Q1H16, 12.0)], path)
+    r = runner.invoke(app, ["route", "--shape", "2x256", "--q-len", "4", "--heads", "32",
+                            "--kv-format", "bf16", "--winners", str(path), "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    first, why = r.stdout.splitlines()[1:3]
+    assert first.startswith("2x256 bf16 h32 q4: triton block_m=32 block_n=64")
+    assert why.startswith("  why: transfer: ") and "family 2x256 bf16 h16 q1 (" in why
+    assert r.stdout.count("(transfer)") == 2 and "(heuristic)" in r.stdout
+
+
+def test_named_dbs_are_layered_like_the_default_ones(tmp_path):
+    cpu, sw = current_device("cpu"), current_software()
+    a, b = Shape.uniform(4, 256), Shape.uniform(2, 64)
+    for name, shape, us in (("new.db", a, 8.0), ("old.db", a, 20.0), ("old.db", b, 5.0)):
+        with TuningStore(str(tmp_path / name)) as store:
+            _record_winner(store, cpu, sw, shape, median_us=us)
+    d = Dispatcher.from_db([str(tmp_path / "new.db"), str(tmp_path / "old.db")], "cpu")
+    assert d.loaded == 2 and d.origin.count("sqlite") == 2
+    assert (d.decide(a).tuned_us, d.decide(b).tuned_us) == (8.0, 5.0)

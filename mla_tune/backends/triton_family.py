@@ -3,7 +3,10 @@ gfx950, every tuning knob a parameter (configs/backends/triton.toml).
 
 On CPU it is available only under TRITON_INTERPRET=1 (the interpreter, for tests); variants
 are pruned before any GPU time by `feasible` (shape arithmetic) and `precheck` (compile for
-the device's target and reject register spills or shared-memory overflow).
+the device's target and reject register spills or shared-memory overflow). The launch rules
+(which points run a shape, the kernel config of a point, the built launcher) are
+kernels/triton/launch.py's, which the one-file submission carries too; they are part of the
+family's source hash.
 """
 
 from __future__ import annotations
@@ -16,21 +19,9 @@ from typing import Any
 import torch
 
 from mla_tune.backends.base import Availability, Backend, KernelFn
-from mla_tune.problem import SM_SCALE, KVFormat, Shape, TaskInput
+from mla_tune.problem import SM_SCALE, KVFormat, Shape
 
 _KERNEL_DIR = Path(__file__).resolve().parent.parent.parent / "kernels" / "triton"
-
-_COMPUTE_BY_FORMAT = {
-    KVFormat.BF16: ("bf16",),
-    KVFormat.FP8: ("bf16", "fp16", "fp8", "fp8qk"),
-    KVFormat.MXFP4: ("bf16",),
-}
-"""Compute paths that make sense per KV format (bf16 KV is not re-quantized; MXFP4 blocks
-scales along the head dim, so only bf16 holds the decoded values exactly)."""
-
-_WARPS_FOR_BLOCK_M = {16: 4, 32: 4, 64: 8, 128: 8}
-"""The accumulator is 512 x block_m float32: 64 rows need two warpgroups to stay in
-registers, 16 rows fit one (measured on H200: 8 warps at 16 rows was 1.3-1.7x slower)."""
 
 
 def _interpreting() -> bool:
@@ -38,22 +29,11 @@ def _interpreting() -> bool:
 
 
 def kernel_config(shape: Shape, config: Mapping[str, Any]):
-    """The kernel's KernelConfig for a point of the space on `shape`."""
-    from kernels.triton.mla_decode import KernelConfig
+    """The kernel's KernelConfig for a point of the space on `shape` (kernels/triton/launch.py
+    holds the launch rules)."""
+    from kernels.triton.launch import variant_config
 
-    return KernelConfig(
-        kv_format=shape.kv_format.value, compute=str(config["compute"]),
-        block_m=int(config["block_m"]), block_n=int(config["block_n"]),
-        num_warps=int(config["num_warps"]), num_stages=int(config["num_stages"]),
-        num_splits=int(config["num_splits"]), page_size=_page_size(shape, config),
-        fast_mode=bool(config["fast_mode"]),
-        fp8_convert=str(config.get("fp8_convert", "staged")),
-        kv_load=str(config.get("kv_load", "pointer")))
-
-
-def _page_size(shape: Shape, config: Mapping[str, Any]) -> int:
-    """A paged shape is read with its own page size; the knob applies to contiguous ones."""
-    return shape.page_size if shape.page_size > 1 else int(config["page_size"])
+    return variant_config(shape.kv_format.value, shape.page_size, config)
 
 
 def _target_name(device: torch.device) -> str:
@@ -96,31 +76,10 @@ class TritonFamily(Backend):
         return None
 
     def feasible(self, shape: Shape, config: Mapping[str, Any]) -> bool:
-        if str(config["compute"]) not in _COMPUTE_BY_FORMAT[shape.kv_format]:
-            return False
-        block_m, block_n = int(config["block_m"]), int(config["block_n"])
-        if _WARPS_FOR_BLOCK_M.get(block_m) != int(config["num_warps"]):
-            return False
-        rows = shape.q_len * shape.heads
-        if block_m > 16 and block_m >= 2 * rows:
-            return False  # half the rows or more would be padding
-        if shape.page_size > 1 and int(config["page_size"]) != 1:
-            return False  # paged shapes use their own page size; avoid duplicate points
-        # fp8 KV converted for the MMAs (fp8qk converts the values, to fp16).
-        converts_fp8 = shape.kv_format is KVFormat.FP8 and str(config["compute"]) != "fp8"
-        if not converts_fp8 and str(config.get("fp8_convert", "staged")) != "staged":
-            return False  # the knob only exists for fp8 KV on 16-bit MMAs
-        kv_load = str(config.get("kv_load", "pointer"))
-        if kv_load in ("tma", "tma_host") and (
-                _page_size(shape, config) > 1 or not (
-                    shape.kv_format is KVFormat.BF16 or
-                    (shape.kv_format is KVFormat.FP8 and str(config["compute"]) == "fp8"))):
-            return False  # see kv_load in configs/backends/triton.toml
-        if kv_load == "tma_host" and (shape.q_len != 1 or
-                                      any(L % block_n for L in shape.kv_lens)):
-            return False  # shared descriptors: mla_decode.tiles_stay_inside must hold
-        splits = int(config["num_splits"])
-        return splits * block_n <= shape.kv_len
+        from kernels.triton.launch import variant_feasible
+
+        return variant_feasible(shape.kv_format.value, shape.kv_lens, shape.q_len,
+                                shape.heads, shape.page_size, config)
 
     def precheck(self, shape: Shape, config: Mapping[str, Any],
                  device: torch.device) -> str | None:
@@ -148,33 +107,11 @@ class TritonFamily(Backend):
             static_check.compile_ahead(kernel_config(shape, config), target, heads=shape.heads)
 
     def build(self, shape: Shape, config: Mapping[str, Any], device: torch.device) -> KernelFn:
-        from kernels.triton.mla_decode import MlaDecodeLauncher
+        from kernels.triton.launch import build_variant
 
-        cfg = kernel_config(shape, config)
-        launcher = MlaDecodeLauncher(cfg, heads=shape.heads, q_len=shape.q_len,
-                                     kv_lens=list(shape.kv_lens), device=device,
-                                     sm_scale=SM_SCALE)
-        fmt = shape.kv_format
-        # The MXFP4 scale tensor's row stride as aiter pads it: 24 bytes (18 used).
-        launcher.prepare(sc_stride=24 if fmt is KVFormat.MXFP4 else 0)
-
-        if fmt is KVFormat.BF16:
-            def run(data: TaskInput) -> torch.Tensor:
-                q, kv_data, qo, kvp, _ = data
-                return launcher(q, kv_data["bf16"], None, None, qo, kvp)
-        elif fmt is KVFormat.FP8:
-            def run(data: TaskInput) -> torch.Tensor:
-                q, kv_data, qo, kvp, _ = data
-                kv, scale = kv_data["fp8"]
-                return launcher(q, kv, scale, None, qo, kvp)
-        else:
-            def run(data: TaskInput) -> torch.Tensor:
-                q, kv_data, qo, kvp, _ = data
-                kv, scale = kv_data["mxfp4"]
-                if kv.dtype != torch.uint8:  # float4_e2m1fn_x2 storage: same bytes
-                    kv = kv.view(torch.uint8)
-                return launcher(q, kv, None, scale, qo, kvp)
-        return run
+        return build_variant(shape.kv_format.value, list(shape.kv_lens), shape.q_len,
+                             shape.heads, config, device, page_size=shape.page_size,
+                             sm_scale=SM_SCALE)
 
     def source_files(self) -> list[Path]:
-        return [_KERNEL_DIR / "mla_decode.py", Path(__file__)]
+        return [_KERNEL_DIR / "mla_decode.py", _KERNEL_DIR / "launch.py", Path(__file__)]
