@@ -5,18 +5,28 @@ lengths drawn uniformly from [--lo, --hi] (seeded), every sequence one token lon
 step, pages of each sequence placed at shuffled positions of the pool. Measured:
 - MLADecodeWrapper, plan + run each step (page table and lengths as device tensors,
   `plan(check=False)`): GPU time per step (CUDA events around the whole loop / steps),
-  host time of plan + run (median per step), builds and device allocations after each
-  bucket's first call, the loop under torch.cuda.set_sync_debug_mode("error");
-- a CUDA graph of `run` captured once per bucket and replayed per step after `plan`,
-  compared with the eager outputs element for element, and its GPU time per step;
+  host time of plan and of plan + run (median per step, perf_counter_ns), builds and
+  device allocations after each bucket's first call, the loop under
+  torch.cuda.set_sync_debug_mode("error");
+- CUDA graphs: a `use_cuda_graph=True` wrapper (each plan copies the metadata into its
+  buffers), `run` captured once per bucket and replayed after each step's plan: GPU time,
+  host time of plan + replay; and a graph of the default wrapper replayed with each step's
+  tables written into the captured tensors (as a server's graph-static buffers are; the
+  writes are the server's and untimed): host time of plan + replay; both compared with
+  eager element for element;
+- the other merge mode of the same balanced runners (fused / second launch): GPU time of
+  the wrapper's and the task path's kernels, host time of plan + its launches;
 - `Dispatcher.run` on the task tuples of the same steps (contiguous ragged KV, no kv_lens;
   what `submission.custom_kernel` calls, with `check_inputs=False` as there): GPU time per
   step, builds and allocations after the first call;
-- the same tokens as a uniform batch (batch x mean length) through `Dispatcher.run`: the
-  tuned runtime's time for that much KV (the exact winner, or the nearest tuned shape's
-  variant built for it);
+- the same tokens as a uniform batch (batch x mean length): through `Dispatcher.run` (the
+  exact winner or the nearest tuned shape's variant), and the tuned variant the bucket
+  adapts (its config, per-sequence splits) built for that uniform shape; the better of
+  the two is the reference of the ratio columns;
 - FlashInfer's BatchMLAPagedAttentionWrapper, plan + run each step on the same pool and
   page tables (its JIT compile happens in an untimed first plan/run).
+`--explore` adds, per loop, the task path's balanced runner at other program counts and
+per-sequence setup charges (runtime arguments of the same kernels).
 
 Run on the GPU machine after `source .device/setup.sh`:
     python3 bench/serving_loop.py --db shipped
@@ -95,17 +105,16 @@ class Loop:
         # Task tuples of the same steps: contiguous ragged KV (rows = sum of lengths) as a
         # view of one buffer (values are not the pool's; only timing and routing use them).
         self.tasks = []
-        rows_max = sum(final)
         for lens, _, _ in self.tables:
             rows = sum(lens)
             kvp = torch.tensor([0] + list(_cumsum(lens)), dtype=torch.int32, device=dev)
-            shape = Shape(batch, tuple(lens))
-            entry: Any = self.flat[:rows] if rows <= self.flat.shape[0] else None
-            if entry is None:
-                raise SystemExit(f"pool too small for {rows_max} contiguous rows")
+            if rows > self.flat.shape[0]:
+                raise SystemExit(f"pool too small for {rows} contiguous rows")
+            entry: Any = self.flat[:rows]
             if fmt == "fp8":
                 entry = (entry, self.cache[1])
-            self.tasks.append((self.q, {fmt: entry}, self.qo, kvp, shape.task_config()))
+            self.tasks.append((self.q, {fmt: entry}, self.qo, kvp,
+                               Shape(batch, tuple(lens)).task_config()))
 
     def mean_len(self) -> int:
         return round(sum(self.tables[self.steps // 2][0]) / self.batch)
@@ -133,31 +142,44 @@ def gpu_loop_us(fn, steps: int, reps: int = 3) -> float:
     return statistics.median(res)
 
 
-def check_wrapper_output(loop: Loop, w: MLADecodeWrapper, step: int) -> float:
-    """Max abs error of the wrapper at `step` against the float32 reference."""
-    lens, _, (ptr, idx, lens_d) = loop.tables[step]
-    w.plan(loop.qo, ptr, idx, lens_d, check=True)
-    out = w.run(loop.q, loop.cache).float()
+def reference(loop: Loop, step: int) -> torch.Tensor:
+    """The float32 reference of `step`, from the pool's pages gathered in order."""
+    lens = loop.tables[step][0]
     rows = []
     for b, L in enumerate(lens):
         pg = torch.tensor(loop.pages[b][:-(-L // loop.page)], device=loop.dev)
         r = (pg[:, None] * loop.page + torch.arange(loop.page, device=loop.dev)).reshape(-1)
         rows.append(r[:L])
-    gather = torch.cat(rows)
-    kv = loop.flat[gather]
+    kv = loop.flat[torch.cat(rows)]
     entry = kv if loop.fmt == "bf16" else (kv, loop.cache[1])
     kvp = torch.tensor([0] + _cumsum(lens), dtype=torch.int32, device=loop.dev)
-    ref = mla_decode_reference(loop.q, {loop.fmt: entry}, loop.qo, kvp,
-                               Shape(loop.batch, tuple(lens)).task_config(),
-                               kv_format=loop.fmt)
-    return float((out - ref).abs().max())
+    return mla_decode_reference(loop.q, {loop.fmt: entry}, loop.qo, kvp,
+                                Shape(loop.batch, tuple(lens)).task_config(),
+                                kv_format=loop.fmt)
 
 
-def run_loop(loop: Loop, disp: Dispatcher, custom_kernel, fi_ok: bool) -> dict[str, Any]:
+def host_times(loop: Loop, plan, run) -> tuple[float, float]:
+    """Median host time (us) of plan and of plan + run per step, the GPU kept busy."""
+    t_plan, t_all = [], []
+    for s in range(loop.steps):
+        _, _, (ptr, idx, lens) = loop.tables[s]
+        t0 = time.perf_counter_ns()
+        plan(ptr, idx, lens)
+        t1 = time.perf_counter_ns()
+        run()
+        t2 = time.perf_counter_ns()
+        t_plan.append((t1 - t0) / 1e3)
+        t_all.append((t2 - t0) / 1e3)
+    return statistics.median(t_plan), statistics.median(t_all)
+
+
+def run_loop(loop: Loop, disp: Dispatcher, fi_ok: bool, explore: bool) -> dict[str, Any]:
     dev, steps = loop.dev, loop.steps
     r: dict[str, Any] = {}
     w = MLADecodeWrapper(loop.fmt, 16, 1, loop.page, dev, dispatcher=disp)
-    r["max_err"] = check_wrapper_output(loop, w, steps - 1)
+
+    def plan(ptr, idx, lens) -> None:
+        w.plan(loop.qo, ptr, idx, lens, check=False)
 
     def step(s: int) -> torch.Tensor:
         _, _, (ptr, idx, lens) = loop.tables[s]
@@ -170,130 +192,166 @@ def run_loop(loop: Loop, disp: Dispatcher, custom_kernel, fi_ok: bool) -> dict[s
         step(s)
         seen.add(w.bucket)
     torch.cuda.synchronize()
+    _, _, (ptr, idx, lens) = loop.tables[steps - 1]
+    w.plan(loop.qo, ptr, idx, lens, check=True)
+    r["max_err"] = float((w.run(loop.q, loop.cache).float() - reference(loop, steps - 1))
+                         .abs().max())
     r["buckets"] = sorted(b.label() for b in seen)
-    r["decision"] = w._runner.decision.describe() if w._runner else ""
+    runner = w._route.runner
+    r["decision"] = runner.decision.describe()
+    launcher = getattr(runner, "launcher", None)
+    r["programs"] = f"{launcher.programs} (wave {launcher.slots})" if launcher else "-"
+    r["merge"] = launcher.merge if launcher else "-"
     b0, a0 = w.builds, allocations(dev)
-    host, host_plan = [], []
     torch.cuda.set_sync_debug_mode("error")
     try:
         for s in range(steps):
-            _, _, (ptr, idx, lens) = loop.tables[s]
-            t0 = time.perf_counter()
-            w.plan(loop.qo, ptr, idx, lens, check=False)
-            t1 = time.perf_counter()
-            w.run(loop.q, loop.cache)
-            host.append((time.perf_counter() - t0) * 1e6)
-            host_plan.append((t1 - t0) * 1e6)
+            step(s)
         r["sync"] = "none raised"
     except RuntimeError as e:
         r["sync"] = f"raised: {e}"
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    r["host_plan_us"], r["host_us"] = host_times(loop, plan, lambda: w.run(loop.q, loop.cache))
     r["wrapper_gpu_us"] = gpu_loop_us(step, steps)
-    r["host_us"] = statistics.median(host) if host else math.nan
-    r["host_plan_us"] = statistics.median(host_plan) if host_plan else math.nan
+    torch.cuda.synchronize()
     r["builds_after"], r["allocs_after"] = w.builds - b0, allocations(dev) - a0
-
-    # CUDA graph of run, one per bucket, replayed after each step's plan.
     eager = [step(s).clone() for s in range(steps)]
+
+    # use_cuda_graph=True: plan copies into the wrapper's buffers; run captured per bucket.
+    wg = MLADecodeWrapper(loop.fmt, 16, 1, loop.page, dev, dispatcher=disp,
+                          use_cuda_graph=True)
     graphs: dict[Any, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-    same = True
+
+    def gplan(ptr, idx, lens) -> None:
+        wg.plan(loop.qo, ptr, idx, lens, check=False)
+
+    def greplay() -> None:
+        graphs[wg.bucket][0].replay()
+
     replays = []
     for s in range(steps):
         _, _, (ptr, idx, lens) = loop.tables[s]
-        w.plan(loop.qo, ptr, idx, lens, check=False)
-        if w.bucket not in graphs:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                w.run(loop.q, loop.cache)
-            torch.cuda.current_stream().wait_stream(side)
+        gplan(ptr, idx, lens)
+        if wg.bucket not in graphs:
+            wg.run(loop.q, loop.cache)
+            torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                o = w.run(loop.q, loop.cache)
-            graphs[w.bucket] = (g, o)
-        g, o = graphs[w.bucket]
-        g.replay()
-        replays.append(o.clone())
+                o = wg.run(loop.q, loop.cache)
+            graphs[wg.bucket] = (g, o)
+        greplay()
+        replays.append(graphs[wg.bucket][1].clone())
     torch.cuda.synchronize()
-    same = all(torch.equal(a, b) for a, b in zip(eager, replays))
-    r["graph_equal"] = same
+    r["graph_equal"] = all(torch.equal(a, b) for a, b in zip(eager, replays))
 
     def gstep(s: int) -> None:
         _, _, (ptr, idx, lens) = loop.tables[s]
-        w.plan(loop.qo, ptr, idx, lens, check=False)
-        graphs[w.bucket][0].replay()
+        gplan(ptr, idx, lens)
+        greplay()
 
+    a0 = allocations(dev)
     r["graph_gpu_us"] = gpu_loop_us(gstep, steps)
+    r["graph_host_plan_us"], r["graph_host_us"] = host_times(loop, gplan, greplay)
+    torch.cuda.synchronize()
+    r["graph_allocs_after"] = allocations(dev) - a0
+
+    # The default wrapper captured once, each step's tables written into those tensors
+    # (sized for the last step's), replayed for the steps of the captured bucket.
+    # (A wrapper of its own: after the capture, plans of that bucket must bring those
+    # tensors.)
+    wd = MLADecodeWrapper(loop.fmt, 16, 1, loop.page, dev, dispatcher=disp)
+    _, _, (ptr_l, idx_l, lens_l) = loop.tables[steps - 1]
+    ptr_b, idx_b, lens_b = ptr_l.clone(), torch.zeros_like(idx_l), lens_l.clone()
+
+    def write(s: int) -> None:
+        _, _, (ptr, idx, lens) = loop.tables[s]
+        ptr_b.copy_(ptr)
+        idx_b[:idx.numel()].copy_(idx)
+        lens_b.copy_(lens)
+        wd.plan(loop.qo, ptr_b, idx_b[:idx.numel()], lens_b, check=False)
+
+    write(0)
+    wd.run(loop.q, loop.cache)  # warm
+    torch.cuda.synchronize()
+    captured = wd.bucket
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o = wd.run(loop.q, loop.cache)
+    same, compared, t_host = True, 0, []
+    for s in range(steps):
+        _, _, (ptr, idx, lens) = loop.tables[s]
+        ptr_b.copy_(ptr)
+        idx_b[:idx.numel()].copy_(idx)
+        lens_b.copy_(lens)
+        idx_v = idx_b[:idx.numel()]  # the server's view of its buffer (same address)
+        t0 = time.perf_counter_ns()
+        wd.plan(loop.qo, ptr_b, idx_v, lens_b, check=False)
+        if wd.bucket == captured:
+            g.replay()
+            t_host.append((time.perf_counter_ns() - t0) / 1e3)
+            same &= torch.equal(o, eager[s])
+            compared += 1
+    r["graph_equal_direct"] = bool(same) and compared > 0
+    r["direct_graph_host_us"] = statistics.median(t_host) if t_host else math.nan
 
     # custom_kernel on the task tuples (no kv_lens).
     from mla_tune.buckets import router_for
 
     router = router_for(disp)
-    custom_kernel(loop.tasks[0])
     for t in loop.tasks:
-        custom_kernel(t)
+        disp.run(t)
     torch.cuda.synchronize()
     cb0, ca0 = router.builds, allocations(dev)
     torch.cuda.set_sync_debug_mode("error")
     try:
         for t in loop.tasks:
-            custom_kernel(t)
+            disp.run(t)
         r["task_sync"] = "none raised"
     except RuntimeError as e:
         r["task_sync"] = f"raised: {e}"
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    r["task_gpu_us"] = gpu_loop_us(lambda s: custom_kernel(loop.tasks[s]), steps)
+    r["task_gpu_us"] = gpu_loop_us(lambda s: disp.run(loop.tasks[s]), steps)
+    torch.cuda.synchronize()
     r["task_builds_after"], r["task_allocs_after"] = router.builds - cb0, \
         allocations(dev) - ca0
-    task_decision = next(reversed(router._task.values())).runner.decision
+    task_runner = next(reversed(router._task.values())).runner
     last = loop.tasks[-1]
     ref = mla_decode_reference(*last, kv_format=loop.fmt)
-    r["task_err"] = float((custom_kernel(last).float() - ref).abs().max())
+    r["task_err"] = float((disp.run(last).float() - ref).abs().max())
 
-    # The same tokens as a uniform batch, through custom_kernel (exact or nearest winner).
+    # The same tokens as a uniform batch: the dispatcher's route, and the variant the
+    # bucket adapts built with per-sequence splits for that shape.
     mean = loop.mean_len()
-    ushape = Shape.uniform(loop.batch, mean)
+    ushape = Shape.uniform(loop.batch, mean, kv_format=loop.fmt)
     rows = ushape.total_kv
     kv_u = loop.flat[:rows] if loop.fmt == "bf16" else (loop.flat[:rows], loop.cache[1])
     utask = (loop.q, {loop.fmt: kv_u}, loop.qo,
              torch.arange(loop.batch + 1, dtype=torch.int32, device=dev) * mean,
              ushape.task_config())
-    custom_kernel(utask)
+    disp.run(utask)
     r["uniform_shape"] = f"{loop.batch}x{mean}"
-    r["uniform_gpu_us"] = gpu_loop_us(lambda s: custom_kernel(utask), steps)
-    # The bucket's own runner on those uniform lengths: what raggedness alone costs.
+    r["uniform_gpu_us"] = gpu_loop_us(lambda s: disp.run(utask), steps)
+    from mla_tune.backends import get_backend
+
+    dec = task_runner.decision
+    try:
+        fn = get_backend(dec.backend).build(ushape, dec.config, dev)
+        fn(utask)
+        r["uniform_tuned_us"] = gpu_loop_us(lambda s: fn(utask), steps)
+    except Exception as e:  # noqa: BLE001 - a variant that does not build is a result
+        r["uniform_tuned_us"] = math.nan
+        r["uniform_tuned_note"] = f"{type(e).__name__}: {str(e)[:100]}"
+    r["uniform_err"] = float((disp.run(utask).float() - mla_decode_reference(
+        *utask, kv_format=loop.fmt)).abs().max())
     router.run_task(utask)
-    r["uniform_bucket_us"] = gpu_loop_us(lambda s: router.run_task(utask), steps)
+    r["uniform_balanced_us"] = gpu_loop_us(lambda s: router.run_task(utask), steps)
+    r.update(other_merge(loop, w, task_runner))
 
-    # The task path's runner at other split counts (a runtime knob: no recompile).
-    from dataclasses import replace
+    if explore:
+        r["explore"] = explore_loop(loop, task_runner)
 
-    from mla_tune.buckets import build_runner
-    base = task_decision
-    splits = {}
-    kv_max = [t[4]["kv_seq_len"] for t in loop.tasks]
-    for n in (2, 4, 8, 16, 32):
-        dec = replace(base, config=dict(base.config, num_splits=n))
-        try:
-            br = build_runner(dec, dec.shape, dev, paged=False)
-        except Exception as e:  # noqa: BLE001
-            splits[n] = f"{type(e).__name__}"
-            continue
-
-        def call(s: int, br=br) -> None:
-            q, kvd, qo, kvp, _ = loop.tasks[s]
-            e = kvd[loop.fmt]
-            kv, sc = (e, None) if loop.fmt == "bf16" else e
-            br(q, kv, sc, None, qo, kvp, kv_max[s])
-
-        call(0)
-        splits[n] = round(gpu_loop_us(call, steps), 1)
-    r["task_splits"] = f"tuned {base.config['num_splits']}: " + ", ".join(
-        f"{n}->{v}" for n, v in splits.items())
-
-    # FlashInfer, plan + run each step on the same pool and tables.
     r["fi_us"] = r["fi_run_us"] = math.nan
     r["fi_note"] = ""
     if fi_ok:
@@ -302,6 +360,101 @@ def run_loop(loop: Loop, disp: Dispatcher, custom_kernel, fi_ok: bool) -> dict[s
         except Exception as e:  # noqa: BLE001 - the baseline failing is a result
             r["fi_note"] = f"{type(e).__name__}: {str(e)[:160]}"
     return r
+
+
+def other_merge(loop: Loop, w: MLADecodeWrapper, task_runner: Any) -> dict[str, Any]:
+    """The wrapper's and the task path's balanced runners rebuilt with the other merge mode
+    (the same compiled kernels): GPU time per step, host time of plan + its launches."""
+    from kernels.triton.mla_decode import MERGE_FUSED, MERGE_SEPARATE, BalancedLauncher
+
+    route = w._route
+    base = getattr(route.runner, "launcher", None)
+    tbase = getattr(task_runner, "launcher", None)
+    if base is None or tbase is None:
+        return {"alt_merge": "-"}
+    mode = MERGE_SEPARATE if base.merge == MERGE_FUSED else MERGE_FUSED
+    fmt, steps = loop.fmt, loop.steps
+    scale = None if fmt == "bf16" else loop.cache[1]
+    pool = loop.cache if fmt == "bf16" else loop.cache[0]
+    out: dict[str, Any] = {"alt_merge": mode}
+
+    def rebuild(L: Any, sched: int) -> Any:
+        n = BalancedLauncher(L.cfg, heads=16, q_len=1, batch=loop.batch, device=loop.dev,
+                             sched=sched, page_size=L.page_size, sm_scale=SM_SCALE,
+                             programs=L.programs, merge=mode)
+        n.prepare()
+        return n
+
+    P = rebuild(base, base.sched)
+    T = rebuild(tbase, tbase.sched)
+
+    def pstep(s: int) -> None:
+        _, _, (ptr, idx, lens) = loop.tables[s]
+        P(loop.q, pool, scale, None, loop.qo, lens, ptr, idx)
+
+    def tstep(s: int) -> None:
+        q, kvd, qo, kvp, _ = loop.tasks[s]
+        e = kvd[fmt]
+        T(q, e if fmt == "bf16" else e[0], scale, None, qo, kvp)
+
+    pstep(0)
+    tstep(0)
+    out["alt_wrapper_gpu_us"] = gpu_loop_us(pstep, steps)
+    out["alt_task_gpu_us"] = gpu_loop_us(tstep, steps)
+    # Host: the wrapper's plan, then this runner's launches from the wrapper's pointers.
+    w.run(loop.q, loop.cache)
+
+    def plan(ptr, idx, lens) -> None:
+        w.plan(loop.qo, ptr, idx, lens, check=False)
+
+    def run() -> None:
+        kv_p, sc_p, scs_p, stride = route.pool_ptrs[:4]
+        qo_p, lens_p, ptr_p, idx_p = w._ptrs
+        P.launch_ptrs(w._q_ptr, kv_p, sc_p if scale is not None else P.dummy_ptrs[0],
+                      P.dummy_ptrs[1], 0, qo_p, lens_p, idx_p, ptr_p)
+
+    _, out["alt_host_us"] = host_times(loop, plan, run)
+    torch.cuda.synchronize()
+    return out
+
+
+def explore_loop(loop: Loop, task_runner: Any) -> str:
+    """The task path's balanced runner at other program counts and per-sequence setup
+    charges (runtime arguments of the same kernels), us per step."""
+    L = getattr(task_runner, "launcher", None)
+    if L is None:
+        return ""
+    fmt = loop.fmt
+    scale = None if fmt == "bf16" else loop.cache[1]
+
+    def call(s: int) -> None:
+        q, kvd, qo, kvp, _ = loop.tasks[s]
+        e = kvd[fmt]
+        L(q, e if fmt == "bf16" else e[0], scale, None, qo, kvp)
+
+    base, seg = L.programs, L.seg_cost
+    res = []
+    for waves, cost in ((0.5, seg), (2, seg), (1, 0), (1, 2), (1, 4)):
+        L.set_programs(max(1, int(waves * L.slots)), cost)
+        call(0)
+        res.append(f"{L.programs}p/seg{cost}/{L.merge}:{gpu_loop_us(call, loop.steps):.1f}")
+    L.set_programs(base, seg)
+    return "task " + " ".join(res)
+
+
+def host_costs(dev: torch.device) -> str:
+    """ns per call of the tensor queries and the capture check a plan/run makes, here."""
+    import timeit
+
+    t = torch.zeros(64, dtype=torch.int32, device=dev)
+    res = []
+    for name, fn in (("data_ptr", t.data_ptr), ("get_device", t.get_device),
+                     ("is_contiguous", t.is_contiguous), ("dtype", lambda: t.dtype),
+                     ("shape", lambda: t.shape),
+                     ("capturing", torch._C._cuda_isCurrentStreamCapturing)):
+        n = 20000
+        res.append(f"{name} {timeit.timeit(fn, number=n) / n * 1e9:.0f}")
+    return ", ".join(res) + " ns"
 
 
 def flashinfer_loop(loop: Loop) -> dict[str, Any]:
@@ -341,6 +494,16 @@ def flashinfer_loop(loop: Loop) -> dict[str, Any]:
     return out
 
 
+def python_speed_ns() -> float:
+    """ns per iteration of a fixed pure-Python loop: compares this host's single-thread
+    speed with another's (host times scale with it)."""
+    t0 = time.perf_counter_ns()
+    x = 0
+    for i in range(200000):
+        x += i & 7
+    return (time.perf_counter_ns() - t0) / 200000
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--db", default="shipped", help="winners: tuning DB (URL, path, shipped)")
@@ -352,12 +515,16 @@ def main() -> None:
     ap.add_argument("--hi", type=int, default=8000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--explore", action="store_true",
+                    help="also other program counts and paged read variants")
     args = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     disps = {f: Dispatcher.from_db(args.db, dev, kv_format=f, check_inputs=False)
              for f in args.formats.split(",")}
     print(f"# {next(iter(disps.values())).summary()}")
-    print(f"# {torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
+    print(f"# {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
+          f"python loop {python_speed_ns():.1f} ns/iter; CUDA tensor queries: "
+          f"{host_costs(dev)}")
 
     fi_ok = not args.no_flashinfer
     if fi_ok:
@@ -366,11 +533,12 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             print(f"# FlashInfer unavailable: {e}")
             fi_ok = False
-    cols = ["batch", "fmt", "page", "wrapper us/step", "graph us/step", "task us/step",
-            "uniform us (shape)", "bucket runner uniform us", "ratio",
-            "FlashInfer plan+run us/step", "FI run-only us",
-            "host plan / plan+run us", "builds/allocs after 1st", "task builds/allocs", "sync",
-            "graph==eager", "max err wrapper / task"]
+    cols = ["batch", "fmt", "page", "merge", "wrapper", "graph", "task",
+            "uniform route (shape)", "uniform tuned", "uniform balanced", "wrapper / ref",
+            "task / ref", "FI plan+run", "FI run", "host plan / plan+run",
+            "host graph plan+replay (copy / direct)", "wrapper b/a", "graph a", "task b/a",
+            "sync", "graph==eager", "err wrapper / task / uniform",
+            "other merge: wrapper / task / host"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     notes = []
@@ -381,29 +549,39 @@ def main() -> None:
                 try:
                     loop = Loop(batch, fmt, page, args.steps, args.lo, args.hi, args.seed,
                                 dev)
-                    r = run_loop(loop, disps[fmt], disps[fmt].run, fi_ok)
+                    r = run_loop(loop, disps[fmt], fi_ok, args.explore)
                 except Exception:  # noqa: BLE001 - report and go on with the next loop
                     torch.cuda.set_sync_debug_mode("default")
                     print(f"# {batch} {fmt} p{page} failed:\n" + traceback.format_exc()[-1500:],
                           flush=True)
                     continue
-                ratio = min(r["wrapper_gpu_us"], r["task_gpu_us"]) / r["uniform_gpu_us"]
-                print(f"| {batch} | {fmt} | {page} | {r['wrapper_gpu_us']:.1f} | "
+                ref = min(x for x in (r["uniform_gpu_us"], r["uniform_tuned_us"])
+                          if not math.isnan(x))
+                sync = r["sync"] == r["task_sync"] == "none raised"
+                alt = (f"{r['alt_merge']}: {r['alt_wrapper_gpu_us']:.1f} / "
+                       f"{r['alt_task_gpu_us']:.1f} / {r['alt_host_us']:.1f}"
+                       if "alt_host_us" in r else "-")
+                print(f"| {batch} | {fmt} | {page} | {r['merge']} | {r['wrapper_gpu_us']:.1f} | "
                       f"{r['graph_gpu_us']:.1f} | {r['task_gpu_us']:.1f} | "
                       f"{r['uniform_gpu_us']:.1f} ({r['uniform_shape']}) | "
-                      f"{r['uniform_bucket_us']:.1f} | "
-                      f"{r['wrapper_gpu_us'] / r['uniform_gpu_us']:.2f} | "
+                      f"{r['uniform_tuned_us']:.1f} | {r['uniform_balanced_us']:.1f} | "
+                      f"{r['wrapper_gpu_us'] / ref:.2f} | {r['task_gpu_us'] / ref:.2f} | "
                       f"{r['fi_us']:.1f} | {r['fi_run_us']:.1f} | "
                       f"{r['host_plan_us']:.1f} / {r['host_us']:.1f} | "
-                      f"{r['builds_after']}/{r['allocs_after']} | "
+                      f"{r['graph_host_us']:.1f} / {r['direct_graph_host_us']:.1f} | "
+                      f"{r['builds_after']}/{r['allocs_after']} | {r['graph_allocs_after']} | "
                       f"{r['task_builds_after']}/{r['task_allocs_after']} | "
-                      f"{'ok' if r['sync'] == r['task_sync'] == 'none raised' else 'RAISED'} | "
-                      f"{r['graph_equal']} | {r['max_err']:.4f} / {r['task_err']:.4f} |", flush=True)
+                      f"{'ok' if sync else 'RAISED'} | "
+                      f"{r['graph_equal'] and r['graph_equal_direct']} | "
+                      f"{r['max_err']:.4f} / {r['task_err']:.4f} / "
+                      f"{r['uniform_err']:.4f} | {alt} |", flush=True)
                 notes.append(f"# {batch} {fmt} p{page}: buckets {r['buckets']}; "
-                             f"{r['decision']}; sync {r['sync']} / {r['task_sync']}; "
+                             f"{r['decision']}; programs {r['programs']}; "
+                             f"sync {r['sync']} / {r['task_sync']}; graph plan "
+                             f"{r['graph_host_plan_us']:.1f} us; "
+                             f"{r.get('uniform_tuned_note', '')} "
                              f"FlashInfer {r.get('fi_backend', '')} {r['fi_note']}; "
-                             f"task path split counts (us/step) {r['task_splits']}; "
-                             f"best ratio {ratio:.2f}; {time.time() - t0:.0f} s")
+                             f"{r.get('explore', '')}; {time.time() - t0:.0f} s")
                 del loop
                 torch.cuda.empty_cache()
     for n in notes:

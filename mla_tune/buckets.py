@@ -6,9 +6,8 @@ lengths the host does not hold exactly are routed by a bucket instead:
 
     bucket = (batch, kv class of the mean length, q_len, heads, KV format, page size)
 
-- batch is exact: the kernels' grid is (row blocks, splits, batch) and the output and split
-  buffers are sized by it (servers pad their batch to a few sizes already, as they do for
-  CUDA graphs);
+- batch is exact: the output and partial buffers are sized by it (servers pad their
+  batch to a few sizes already, as they do for CUDA graphs);
 - the kv class is the smallest edge >= the mean kv length, on a log scale: by default the
   powers of two 64 .. 1048576 (`DEFAULT_KV_EDGES`). Edges are configurable with
   `MLA_TUNE_KV_BUCKETS="256,1024,4096,..."` or `BucketEdges(...)`. A class is routed as
@@ -19,11 +18,14 @@ the config (or `qo_indptr`'s length), the mean from the number of KV tokens (the
 tensor's first dimension, or the host-side lengths or page count of a paged call). Routing
 therefore never synchronizes and is the same on every rank.
 
-A bucket runner reads each sequence's length from `kv_indptr` on the device, and the split
-schedule (which program reads which KV range, how many partials each sequence merges) is
-computed there from it (`_split_bounds` in kernels/triton/mla_decode.py), so one runner
-serves every length of its bucket with no rebuild, recompile or allocation, and a call is
-capturable in a CUDA graph. Variant choice per bucket, first that builds:
+A bucket runner reads each sequence's length on the device (from `kv_indptr`, or a paged
+call's lengths), and the schedule (which program reads which KV range, how many partials
+each sequence merges) is computed there from them: the Triton build runs the token-balanced
+schedule ("Balanced schedule" in kernels/triton/mla_decode.py: the keys of the whole batch
+cut evenly between a fixed number of programs, so long sequences make no tail), so one
+runner serves every length of its bucket with no rebuild, recompile or allocation, and a
+call is capturable in a CUDA graph. A tuned split count sets how many waves of programs
+run. Variant choice per bucket, first that builds:
 0. `MLA_TUNE_FORCE`, where feasible;
 1. a winner tuned on a ragged batch of this bucket;
 2. the nearest tuned uniform shape of the same format/heads/q_len (its own page size
@@ -38,7 +40,6 @@ routed around.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import os
@@ -51,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mla_tune.input_checks import kv_rows
 from mla_tune.problem import (
     QK_HEAD_DIM,
     SM_SCALE,
@@ -60,6 +62,18 @@ from mla_tune.problem import (
     ShapeError,
     TaskInput,
 )
+from mla_tune.bucket_rules import (
+    BUCKET_BACKENDS,
+    DEFAULT_KV_EDGES,
+    KV_BUCKETS_ENV,
+    bucket_config,
+    check_kv_edges,
+    is_ragged_rows,
+    kv_class,
+    kv_edges_from_env,
+    parse_kv_edges,
+    rep_len,
+)
 from mla_tune.space import config_key
 
 if TYPE_CHECKING:
@@ -67,10 +81,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-KV_BUCKETS_ENV = "MLA_TUNE_KV_BUCKETS"
-DEFAULT_KV_EDGES = tuple(2 ** k for k in range(6, 21))
-BUCKET_BACKENDS = ("triton", "torch")
-"""Families with a bucket build (a runner that reads lengths on the device)."""
 _FORMAT_ORDER = (KVFormat.BF16, KVFormat.FP8, KVFormat.MXFP4)
 
 
@@ -81,35 +91,21 @@ class BucketEdges:
     kv: tuple[int, ...] = DEFAULT_KV_EDGES
 
     def __post_init__(self) -> None:
-        edges = tuple(int(e) for e in self.kv)
-        if not edges or any(e < 1 for e in edges) or list(edges) != sorted(set(edges)):
-            raise ValueError(f"kv bucket edges must be ascending positive ints, got {self.kv}")
-        object.__setattr__(self, "kv", edges)
+        object.__setattr__(self, "kv", check_kv_edges(self.kv))
 
     @classmethod
     def parse(cls, text: str) -> "BucketEdges":
         """`"256,1024,4096"` -> edges; what `MLA_TUNE_KV_BUCKETS` holds."""
-        try:
-            return cls(tuple(int(p) for p in text.replace(" ", "").split(",") if p))
-        except ValueError as e:
-            raise ValueError(f"{KV_BUCKETS_ENV}: {e}; expected ascending ints like "
-                             f"'256,1024,4096'") from None
+        return cls(parse_kv_edges(text))
 
     @classmethod
     def from_env(cls) -> "BucketEdges":
-        text = os.environ.get(KV_BUCKETS_ENV, "").strip()
-        return cls.parse(text) if text else cls()
+        return cls(kv_edges_from_env(os.environ))
 
     def kv_class(self, mean_kv: float) -> tuple[int, int]:
         """(lower edge exclusive, upper edge inclusive) of the class holding `mean_kv`;
         past the last edge, classes keep doubling."""
-        i = bisect.bisect_left(self.kv, math.ceil(mean_kv))
-        if i < len(self.kv):
-            return (self.kv[i - 1] if i else 0), self.kv[i]
-        hi = self.kv[-1]
-        while hi < mean_kv:
-            hi *= 2
-        return hi // 2, hi
+        return kv_class(self.kv, mean_kv)
 
 
 @dataclass(frozen=True)
@@ -128,8 +124,7 @@ class Bucket:
     def rep_len(self) -> int:
         """The class's representative length: the geometric middle of (kv_lo, kv_hi]
         (of (kv_hi / 2, kv_hi] for the first class)."""
-        lo = self.kv_lo if self.kv_lo > 0 else max(self.kv_hi // 2, 1)
-        return max(self.q_len, round(math.sqrt(lo * self.kv_hi)))
+        return rep_len(self.kv_lo, self.kv_hi, self.q_len)
 
     def representative(self) -> Shape:
         """The uniform shape this bucket is routed and built as."""
@@ -148,71 +143,55 @@ def bucket_of(shape: Shape, edges: BucketEdges | None = None) -> Bucket:
                   shape.page_size)
 
 
-def bucket_config(backend: str, config: Mapping[str, Any], *,
-                  paged: bool) -> dict[str, Any] | None:
-    """`config` made independent of the lengths (module docstring), or None when the
-    family has no bucket build."""
-    if backend not in BUCKET_BACKENDS:
-        return None
-    out = dict(config)
-    if backend == "triton":
-        if paged:
-            out["kv_load"] = "pointer"
-        elif out.get("kv_load") == "tma_host":
-            out["kv_load"] = "tma"
-        # Contiguous: direct rows (a page table from the knob would fix the lengths);
-        # paged: the call's own page size, which the shape carries.
-        out["page_size"] = 1
-    return out
-
-
 # -- runners ---------------------------------------------------------------------------
 
 
 class BucketRunner(ABC):
-    """A built variant serving any lengths of its bucket: `(q, kv, kv_scale, kv_sc,
-    qo_indptr, kv_indptr, max_len) -> out`. `kv_indptr` is cumulative tokens; a paged
-    runner reads pages through `page_rows` (first cache row of each page) and
-    `page_indptr`, buffers it owns and its caller fills (`MLADecodeWrapper.plan`).
-    `max_len` is a host bound on the longest sequence (the torch build pads to it; the
-    Triton build ignores it). Returns the runner's own output buffer."""
+    """A built variant serving any lengths of its bucket. Contiguous: `(q, kv, kv_scale,
+    kv_sc, qo_indptr, kv_indptr, max_len) -> out`, `kv_indptr` cumulative tokens. Paged
+    (built with `paged=True`): `paged(q, pool, kv_scale, kv_sc, qo_indptr, kv_lens,
+    page_indptr, page_idx, max_len) -> out`, FlashInfer's metadata as a server holds it:
+    int32 tensors on the device, sequence b's pages `page_idx[page_indptr[b]:
+    page_indptr[b + 1]]`, its length `kv_lens[b]`. `max_len` is a host bound on the
+    longest sequence (the torch build pads to it; the Triton build ignores it). Returns the
+    runner's own output buffer."""
 
     def __init__(self, decision: "Decision", batch: int, q_len: int, heads: int,
-                 paged: bool, page_capacity: int, device: torch.device) -> None:
+                 paged: bool) -> None:
         self.decision = decision
         self.batch, self.q_len, self.heads = batch, q_len, heads
-        self.paged = paged
-        self.page_capacity = page_capacity
-        self.page_rows: torch.Tensor | None = None
-        self.page_indptr: torch.Tensor | None = None
-        if paged:
-            self.page_rows = torch.zeros(max(page_capacity, 1), dtype=torch.int32,
-                                         device=device)
-            self.page_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+        self.is_paged = paged
 
     @abstractmethod
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
                  kv_sc: torch.Tensor | None, qo_indptr: torch.Tensor,
                  kv_indptr: torch.Tensor, max_len: int) -> torch.Tensor:
-        """Decode attention of one call (class docstring)."""
+        """Decode attention of one contiguous call (class docstring)."""
+
+    @abstractmethod
+    def paged(self, q: torch.Tensor, pool: torch.Tensor, kv_scale: torch.Tensor | None,
+              kv_sc: torch.Tensor | None, qo_indptr: torch.Tensor, kv_lens: torch.Tensor,
+              page_indptr: torch.Tensor, page_idx: torch.Tensor, max_len: int) -> torch.Tensor:
+        """Decode attention of one paged call (class docstring)."""
 
 
 class _TritonBucket(BucketRunner):
-    """The Triton family's launcher built once for the bucket's representative shape; its
-    kernels take every length from `kv_indptr` on the device."""
+    """The Triton family's balanced-schedule launcher (kernels/triton/mla_decode.py,
+    `BalancedLauncher`) built once for the bucket's batch: its kernels split the keys of
+    the whole batch evenly between programs from the lengths on the device, so one build
+    serves every length."""
 
-    def __init__(self, decision: "Decision", shape: Shape, paged: bool, page_capacity: int,
+    def __init__(self, decision: "Decision", shape: Shape, paged: bool,
                  device: torch.device) -> None:
-        super().__init__(decision, shape.batch, shape.q_len, shape.heads, paged,
-                         page_capacity, device)
-        from kernels.triton.mla_decode import MlaDecodeLauncher
+        super().__init__(decision, shape.batch, shape.q_len, shape.heads, paged)
+        from kernels.triton.mla_decode import SCHED_PAGED, SCHED_TOKENS, BalancedLauncher
         from mla_tune.backends.triton_family import kernel_config
 
         cfg = kernel_config(shape, decision.config)
-        table = (self.page_rows, self.page_indptr) if paged else None
-        self.launcher = MlaDecodeLauncher(cfg, heads=shape.heads, q_len=shape.q_len,
-                                          kv_lens=list(shape.kv_lens), device=device,
-                                          sm_scale=SM_SCALE, page_table=table)
+        self.launcher = BalancedLauncher(
+            cfg, heads=shape.heads, q_len=shape.q_len, batch=shape.batch, device=device,
+            sched=SCHED_PAGED if paged else SCHED_TOKENS, page_size=shape.page_size,
+            sm_scale=SM_SCALE)
         # Any MXFP4 scale row stride works: it is a runtime argument of the kernel.
         self.launcher.prepare(sc_stride=24 if shape.kv_format is KVFormat.MXFP4 else 0)
 
@@ -221,16 +200,21 @@ class _TritonBucket(BucketRunner):
                  kv_indptr: torch.Tensor, max_len: int) -> torch.Tensor:
         return self.launcher(q, kv, kv_scale, kv_sc, qo_indptr, kv_indptr)
 
+    def paged(self, q: torch.Tensor, pool: torch.Tensor, kv_scale: torch.Tensor | None,
+              kv_sc: torch.Tensor | None, qo_indptr: torch.Tensor, kv_lens: torch.Tensor,
+              page_indptr: torch.Tensor, page_idx: torch.Tensor, max_len: int) -> torch.Tensor:
+        return self.launcher(q, pool, kv_scale, kv_sc, qo_indptr, kv_lens, page_indptr,
+                             page_idx)
+
 
 class _TorchBucket(BucketRunner):
     """The torch family's bucket build: one gather of every sequence's keys padded to
-    `max_len` (through the page table when paged), a causal/length mask built from
-    `kv_indptr` on the device, one softmax. Slow but exact and everywhere; the CPU path."""
+    `max_len` (through the page table when paged), a causal/length mask built from the
+    lengths on the device, one softmax. Slow but exact and everywhere; the CPU path."""
 
-    def __init__(self, decision: "Decision", shape: Shape, paged: bool, page_capacity: int,
+    def __init__(self, decision: "Decision", shape: Shape, paged: bool,
                  device: torch.device) -> None:
-        super().__init__(decision, shape.batch, shape.q_len, shape.heads, paged,
-                         page_capacity, device)
+        super().__init__(decision, shape.batch, shape.q_len, shape.heads, paged)
         self.fmt = shape.kv_format
         self.page_shift = shape.page_size.bit_length() - 1
         names = {"float32": torch.float32, "bfloat16": torch.bfloat16,
@@ -241,25 +225,33 @@ class _TorchBucket(BucketRunner):
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
                  kv_sc: torch.Tensor | None, qo_indptr: torch.Tensor,
                  kv_indptr: torch.Tensor, max_len: int) -> torch.Tensor:
+        kvp = kv_indptr.to(torch.long)
+        t = torch.arange(max(int(max_len), 1), device=q.device)
+        return self._attend(q, kv, kv_scale, kv_sc, kvp[1:] - kvp[:-1],
+                            kvp[:-1, None] + t[None, :], t)
+
+    def paged(self, q: torch.Tensor, pool: torch.Tensor, kv_scale: torch.Tensor | None,
+              kv_sc: torch.Tensor | None, qo_indptr: torch.Tensor, kv_lens: torch.Tensor,
+              page_indptr: torch.Tensor, page_idx: torch.Tensor, max_len: int) -> torch.Tensor:
+        t = torch.arange(max(int(max_len), 1), device=q.device)
+        idx = page_idx.to(torch.long)
+        slot = page_indptr[:-1].to(torch.long)[:, None] + (t >> self.page_shift)
+        slot = slot.clamp(0, idx.numel() - 1)
+        phys = (idx[slot] << self.page_shift) + (t & ((1 << self.page_shift) - 1))
+        return self._attend(q, pool, kv_scale, kv_sc, kv_lens.to(torch.long), phys, t)
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
+                kv_sc: torch.Tensor | None, lens: torch.Tensor, phys: torch.Tensor,
+                t: torch.Tensor) -> torch.Tensor:
+        """Attention over the cache rows `phys` (B, T) of each sequence, `lens` long."""
         from mla_tune import quant
 
         dev = q.device
         b, ql, h = self.batch, self.q_len, self.heads
         width = kv.shape[-1]
         flat = kv.reshape(-1, width)
-        n_rows = flat.shape[0]
-        kvp = kv_indptr.to(torch.long)
-        lens = kvp[1:] - kvp[:-1]
-        t = torch.arange(max(int(max_len), 1), device=dev)
-        if self.paged:
-            assert self.page_rows is not None and self.page_indptr is not None
-            slot = self.page_indptr[:-1].to(torch.long)[:, None] + (t >> self.page_shift)
-            slot = slot.clamp(0, self.page_rows.numel() - 1)
-            phys = self.page_rows.to(torch.long)[slot] + (t & ((1 << self.page_shift) - 1))
-        else:
-            phys = kvp[:-1, None] + t[None, :]
         valid = t[None, :] < lens[:, None]
-        phys = torch.where(valid, phys, torch.zeros_like(phys)).clamp(0, n_rows - 1)
+        phys = torch.where(valid, phys, torch.zeros_like(phys)).clamp(0, flat.shape[0] - 1)
         rows = flat[phys]  # (B, T, width) as stored
         if self.fmt is KVFormat.BF16:
             keys = rows.float()
@@ -283,13 +275,13 @@ class _TorchBucket(BucketRunner):
         return out.view(b * ql, h, V_HEAD_DIM).to(torch.bfloat16)
 
 
-def build_runner(decision: "Decision", shape: Shape, device: torch.device, *, paged: bool,
-                 page_capacity: int = 0) -> BucketRunner:
+def build_runner(decision: "Decision", shape: Shape, device: torch.device, *,
+                 paged: bool) -> BucketRunner:
     """Build the bucket runner of `decision` for `shape` (the bucket's representative)."""
     if decision.backend == "triton":
-        return _TritonBucket(decision, shape, paged, page_capacity, device)
+        return _TritonBucket(decision, shape, paged, device)
     if decision.backend == "torch":
-        return _TorchBucket(decision, shape, paged, page_capacity, device)
+        return _TorchBucket(decision, shape, paged, device)
     raise ValueError(f"backend {decision.backend!r} has no bucket build")
 
 
@@ -396,15 +388,14 @@ class BucketRouter:
         self._decided[key] = out
         return out
 
-    def runner(self, bucket: Bucket, *, paged: bool, page_capacity: int = 0,
-               probe: Any = None, cache: dict[tuple[Any, ...], BucketRunner] | None = None
-               ) -> BucketRunner:
+    def runner(self, bucket: Bucket, *, paged: bool, probe: Any = None,
+               cache: dict[tuple[Any, ...], BucketRunner] | None = None) -> BucketRunner:
         """The built runner of `bucket`, building it on first use. `probe(runner)` runs
         the first call (a variant whose build or first call fails falls through to the
-        next); `cache` holds the runners instead of the router's own (a wrapper keeps
-        its paged runners, whose page buffers it fills, to itself)."""
+        next); `cache` holds the runners instead of the router's own (a wrapper keeps its
+        runners, whose output buffers its callers read, to itself)."""
         runners = self._runners if cache is None else cache
-        key = (bucket, paged, page_capacity)
+        key = (bucket, paged)
         r = runners.get(key)
         if r is not None:
             return r
@@ -417,8 +408,7 @@ class BucketRouter:
             for dec in self.decisions(bucket, paged):
                 # Variants with the same config share one built runner across buckets.
                 share = (dec.backend, config_key(dec.config), bucket.batch, bucket.q_len,
-                         bucket.heads, bucket.kv_format, bucket.page_size, paged,
-                         page_capacity)
+                         bucket.heads, bucket.kv_format, bucket.page_size, paged)
                 r = runners.get(share)
                 try:
                     if r is None:
@@ -427,8 +417,7 @@ class BucketRouter:
                         why = fam.backend.precheck(rep, dec.config, self.d.device)
                         if why:
                             raise RuntimeError(f"precheck: {why}")
-                        r = build_runner(dec, rep, self.d.device, paged=paged,
-                                         page_capacity=page_capacity)
+                        r = build_runner(dec, rep, self.d.device, paged=paged)
                         self.builds += 1
                         if probe is not None:
                             probe(r)
@@ -554,11 +543,7 @@ def _check_lens(data: Any, kv_lens: Sequence[int]) -> None:
 
 def _rows(kv_data: Mapping[str, Any]) -> int:
     """KV rows of the call: the first dimension of the first format's values."""
-    for f in _FORMAT_ORDER:
-        if f.value in kv_data:
-            e = kv_data[f.value]
-            return int((e if isinstance(e, torch.Tensor) else e[0]).shape[0])
-    raise ValueError(f"kv_data holds none of {[f.value for f in _FORMAT_ORDER]}")
+    return kv_rows(kv_data, [f.value for f in _FORMAT_ORDER])
 
 
 def split_entry(kv_data: Mapping[str, Any], fmt: KVFormat, rows: int, device: torch.device
@@ -599,8 +584,8 @@ def ragged_rows(data: Any) -> int | None:
     try:
         c = data[4]
         rows = _rows(data[1])
-        b, ql, kv_max = c["batch_size"], c["q_seq_len"], c["kv_seq_len"]
-        return rows if kv_max + (b - 1) * ql <= rows < b * kv_max else None
+        return rows if is_ragged_rows(rows, c["batch_size"], c["q_seq_len"],
+                                      c["kv_seq_len"]) else None
     except Exception:  # noqa: BLE001
         return None
 

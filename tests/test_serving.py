@@ -106,21 +106,83 @@ def test_block_table_form_is_the_same_call(cpu_dispatcher: Dispatcher) -> None:
     assert float((out.float() - mla_decode_reference(*data)).abs().max()) < 2e-2
 
 
-def test_growing_loop_builds_once_and_keeps_its_buffers(cpu_dispatcher: Dispatcher) -> None:
-    disp = Dispatcher([], "cpu")
-    w = MLADecodeWrapper("bf16", 16, 1, 16, "cpu", dispatcher=disp)
-    base = (70, 90, 100)
-    ptrs = set()
-    for step in range(6):
-        lens = tuple(L + step for L in base)
+def _growing_steps(n: int = 6) -> list[tuple[Any, ...]]:
+    """A growing loop's steps: (data, pool, kv_indices, kv_indptr, lengths tensor)."""
+    steps = []
+    for step in range(n):
+        lens = tuple(L + step for L in (70, 90, 100))
         data = generate_input(Shape(3, lens), seed=step)
         cache, idx, ptr = paged_pool(data[1], lens, 16, "bf16", step)
-        w.plan(data[2], ptr, idx, list(lens))
+        steps.append((data, cache, idx, ptr, torch.tensor(lens, dtype=torch.int32)))
+    return steps
+
+
+def test_growing_loop_builds_once_and_reads_the_metadata_as_given() -> None:
+    w = MLADecodeWrapper("bf16", 16, 1, 16, "cpu", dispatcher=Dispatcher([], "cpu"))
+    for step, (data, cache, idx, ptr, lens) in enumerate(_growing_steps()):
+        w.plan(data[2], ptr, idx, lens)
         out = w.run(data[0], cache)
-        ptrs.add(w._runner.page_rows.data_ptr())
+        # int32, contiguous, aligned: the runner reads the caller's tensors, nothing copied.
+        assert all(a is b for a, b in zip(w._bound, (data[2], lens, ptr, idx)))
         if step in (0, 5):
             assert float((out.float() - mla_decode_reference(*data)).abs().max()) < 2e-2
-    assert w.builds == 1 and len(ptrs) == 1
+    assert w.builds == 1
+
+
+def test_plan_dispatches_no_torch_op() -> None:
+    """A plan of device-ready metadata (check=False) allocates, copies and launches
+    nothing: the only torch operators it runs read the host-side lengths for the route
+    (on a CPU device the lengths are on the host; a GPU plan with device lengths reads
+    the page count instead and runs none)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    w = MLADecodeWrapper("bf16", 16, 1, 16, "cpu", dispatcher=Dispatcher([], "cpu"))
+    steps = _growing_steps(3)
+    data, cache, idx, ptr, lens = steps[0]
+    w.plan(data[2], ptr, idx, lens, check=False)  # the bucket's first plan builds
+    w.run(data[0], cache)
+    for data, cache, idx, ptr, lens in steps[1:]:
+        with Ops() as mode:
+            w.plan(data[2], ptr, idx, lens, check=False)
+        assert set(mode.ops) <= {"aten.max.default", "aten.sum.default",
+                                 "aten._local_scalar_dense.default"}, mode.ops
+    copied = MLADecodeWrapper("bf16", 16, 1, 16, "cpu", dispatcher=Dispatcher([], "cpu"),
+                              use_cuda_graph=True)
+    copied.plan(data[2], ptr, idx, lens, check=False)
+    with Ops() as mode:  # the copy mode does run copies (the check above can fail)
+        copied.plan(data[2], ptr, idx, lens, check=False)
+    assert any("copy" in op for op in mode.ops)
+
+
+def test_copied_metadata_stays_in_the_same_buffers_and_gives_the_same_output() -> None:
+    """use_cuda_graph=True, and metadata the kernels cannot read as given (int64, a
+    misaligned slice, on the host for another device): copied into the wrapper's buffers,
+    the same addresses every step, the same output as direct reads."""
+    disp = Dispatcher([], "cpu")
+    direct = MLADecodeWrapper("bf16", 16, 1, 16, "cpu", dispatcher=disp)
+    graph = MLADecodeWrapper("bf16", 16, 1, 16, "cpu", dispatcher=disp, use_cuda_graph=True)
+    addrs = set()
+    for data, cache, idx, ptr, lens in _growing_steps(4):
+        direct.plan(data[2], ptr, idx, lens)
+        want = direct.run(data[0], cache).clone()
+        graph.plan(data[2], ptr, idx, lens)
+        assert not any(a is b for a, b in zip(graph._bound, (data[2], lens, ptr, idx)))
+        addrs.add(tuple(t.data_ptr() for t in graph._bound))
+        assert torch.equal(graph.run(data[0], cache), want)
+        odd = torch.zeros(idx.numel() + 1, dtype=torch.int32)
+        odd[1:] = idx  # a view starting 4 bytes into its storage: not 16-byte aligned
+        direct.plan(data[2].long(), ptr.long(), odd[1:], lens.long())
+        assert direct._bound[3] is not idx and torch.equal(direct.run(data[0], cache), want)
+    assert len(addrs) == 1
 
 
 def _planned(page: int = 16) -> tuple[MLADecodeWrapper, Any, Any, Any, Any]:
@@ -179,56 +241,75 @@ def test_triton_wrapper_and_planning_kernel_under_the_interpreter() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["name"]: r for r in map(json.loads, (line for line in proc.stdout.splitlines()
                                                    if line.startswith("{")))}
-    assert set(rows) == set(INTERP_CASES) | {"planner_batch_600", "task_ragged"}
+    assert set(rows) == set(INTERP_CASES) | {"planner_batch_600", "task_ragged",
+                                             "int64_metadata_copied"}
     for name, (fmt, _, _, _) in INTERP_CASES.items():
         r = rows[name]
         assert r["backend"] == "triton", r
         assert r["err"] < (0.08 if fmt == "fp8" else 2e-2), r
     assert rows["planner_batch_600"]["ok"], rows["planner_batch_600"]
+    assert rows["int64_metadata_copied"]["err"] < 2e-2, rows["int64_metadata_copied"]
     assert rows["task_ragged"]["backend"] == "triton" and rows["task_ragged"]["err"] < 2e-2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
-def test_cuda_graph_replay_matches_eager_across_steps() -> None:
-    dev = torch.device("cuda", torch.cuda.current_device())
-    disp = Dispatcher([], dev)
-    w = MLADecodeWrapper("bf16", 16, 1, 16, dev, dispatcher=disp)
-    base = (300, 700, 500)
+def _gpu_steps(dev: torch.device, n: int = 4) -> list[tuple[Any, ...]]:
+    """A growing loop on the GPU: (q, pool, kv_indices, kv_indptr, lengths), all on dev."""
     steps = []
-    for s in range(4):
-        lens = tuple(L + s for L in base)
+    for s in range(n):
+        lens = tuple(L + s for L in (300, 700, 500))
         data = generate_input(Shape(3, lens), seed=0, device=dev)
         cache, idx, ptr = paged_pool({"bf16": data[1]["bf16"].cpu()}, lens, 16, "bf16")
         steps.append((data[0], cache.to(dev), idx.to(dev), ptr.to(dev),
                       torch.tensor(lens, dtype=torch.int32, device=dev)))
-    q_buf, pool = steps[-1][0].clone(), torch.zeros_like(steps[-1][1])
-    idx_buf = torch.zeros_like(steps[-1][2])
-    ptr_buf, lens_buf = torch.zeros_like(steps[-1][3]), torch.zeros_like(steps[-1][4])
-    qo = torch.arange(4, dtype=torch.int32, device=dev)
+    return steps
 
-    def load(s: int) -> None:  # new metadata written into the same tensors
-        q, c, i, p, n = steps[s]
-        q_buf.copy_(q)
-        pool[:c.shape[0]].copy_(c)
-        idx_buf.zero_()[:i.numel()].copy_(i)
-        ptr_buf.copy_(p)
-        lens_buf.copy_(n)
-        w.plan(qo, ptr_buf, idx_buf[:i.numel()], lens_buf, check=False)
 
-    eager = []
-    for s in range(4):
-        load(s)
-        eager.append(w.run(q_buf, pool).clone())
-    load(0)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = w.run(q_buf, pool)
-    bucket = w.bucket
-    for s in range(4):
-        load(s)
-        assert w.bucket == bucket  # one bucket: one graph serves every step
-        g.replay()
-        assert torch.equal(out, eager[s])
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_cuda_graph_replay_matches_eager_across_steps() -> None:
+    """Direct reads: the graph replays the captured tensors, each step written into them;
+    a plan with other tensors is refused. use_cuda_graph=True: any tensors each step."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    steps = _gpu_steps(dev)
+    for copy in (False, True):
+        w = MLADecodeWrapper("bf16", 16, 1, 16, dev, dispatcher=Dispatcher([], dev),
+                             use_cuda_graph=copy)
+        q_buf, pool = steps[-1][0].clone(), torch.zeros_like(steps[-1][1])
+        idx_buf = torch.zeros_like(steps[-1][2])
+        ptr_buf, lens_buf = torch.zeros_like(steps[-1][3]), torch.zeros_like(steps[-1][4])
+        qo = torch.arange(4, dtype=torch.int32, device=dev)
+
+        def load(s: int) -> None:
+            q, c, i, p, n = steps[s]
+            q_buf.copy_(q)
+            pool[:c.shape[0]].copy_(c)
+            if copy:  # fresh tensors every step
+                w.plan(qo.clone(), p.clone(), i.clone(), n.clone(), check=False)
+                return
+            idx_buf.zero_()[:i.numel()].copy_(i)  # written into the same tensors
+            ptr_buf.copy_(p)
+            lens_buf.copy_(n)
+            w.plan(qo, ptr_buf, idx_buf[:i.numel()], lens_buf, check=False)
+
+        eager = []
+        for s in range(4):
+            load(s)
+            eager.append(w.run(q_buf, pool).clone())
+        load(0)
+        w.run(q_buf, pool)  # compiled and warm before the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = w.run(q_buf, pool)
+        bucket = w.bucket
+        for s in range(4):
+            load(s)
+            assert w.bucket == bucket  # one bucket: one graph serves every step
+            g.replay()
+            assert torch.equal(out, eager[s])
+        if not copy:
+            q, c, i, p, n = steps[0]
+            with pytest.raises(ValueError, match="CUDA graph captured run"):
+                w.plan(qo, p.clone(), i.clone(), n.clone(), check=False)
 
 
 # -- the interpreter child ---------------------------------------------------------------
@@ -249,8 +330,8 @@ def _child() -> None:
     for name, (fmt, page, q_len, force) in INTERP_CASES.items():
         os.environ["MLA_TUNE_FORCE"] = force
         e, w = wrapper_error(fmt, page, q_len, Dispatcher([], "cpu"), lens=(37, 100, 70))
-        print(json.dumps({"name": name, "err": e, "backend": w._runner.decision.backend}),
-              flush=True)
+        print(json.dumps({"name": name, "err": e,
+                          "backend": w._route.runner.decision.backend}), flush=True)
     os.environ["MLA_TUNE_FORCE"] = ""
     from kernels.triton.serving_plan import ServingPlanLauncher
 
@@ -258,15 +339,23 @@ def _child() -> None:
     lens = torch.randint(1, 200, (600,), generator=g, dtype=torch.int32)
     ptr = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(lens, 0).to(torch.int32)])
     idx = torch.randint(0, 10 ** 5, (int(ptr[-1]),), generator=g, dtype=torch.int32)
-    tok, rows = torch.full((601,), -7, dtype=torch.int32), torch.zeros_like(idx)
+    lens_out, idx_out = torch.full((600,), -7, dtype=torch.int32), torch.zeros_like(idx)
     out_ptr, qo, qo_out = (torch.zeros(601, dtype=torch.int32),
                            torch.arange(601, dtype=torch.int64) * 2,
                            torch.zeros(601, dtype=torch.int32))
-    ServingPlanLauncher(torch.device("cpu"))(lens, idx.long(), ptr, qo, tok, rows, out_ptr,
-                                             qo_out, 64)
-    ok = torch.equal(tok, ptr) and torch.equal(rows, idx * 64) and \
+    ServingPlanLauncher(torch.device("cpu"))(lens.long(), idx.long(), ptr, qo, lens_out,
+                                             idx_out, out_ptr, qo_out)
+    ok = torch.equal(lens_out, lens) and torch.equal(idx_out, idx) and \
         torch.equal(out_ptr, ptr) and torch.equal(qo_out, qo.int())
     print(json.dumps({"name": "planner_batch_600", "ok": bool(ok)}), flush=True)
+    # int64 metadata through the wrapper: the copy kernel writes its buffers.
+    lens3 = (37, 100, 70)
+    data = generate_input(Shape(3, lens3), seed=6)
+    cache, idx3, ptr3 = paged_pool(data[1], lens3, 16, "bf16", 6)
+    w = MLADecodeWrapper("bf16", 16, 1, 16, "cpu", dispatcher=Dispatcher([], "cpu"))
+    w.plan(data[2].long(), ptr3.long(), idx3.long(), torch.tensor(lens3))
+    err = float((w.run(data[0], cache).float() - mla_decode_reference(*data)).abs().max())
+    print(json.dumps({"name": "int64_metadata_copied", "err": err}), flush=True)
     from mla_tune.buckets import router_for
 
     d = Dispatcher([], "cpu", kv_format="bf16")

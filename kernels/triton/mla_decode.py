@@ -41,7 +41,7 @@ of descriptors over the whole cache can instead be made on the host and passed i
 (TMA_HOST_DESC, kv_load='tma_host'). Neither is faster everywhere on the H200: host-made
 descriptors saved 0.4-2.8 us at 18 of the 28 bf16/fp8 suite shapes and cost 3.5-24 us at
 the longest launches (bf16 64x8192 and 256x8192, fp8 128x8192 and 256x8192;
-bench/results/h200_tma_host_desc_2026-11-30.md), so the tuner chooses.
+docs/design/triton_kernel.md), so the tuner chooses.
 
 Split-KV: sequence b's keys are cut into at most `n_splits` chunks (multiples of BLOCK_N).
 Splits write a normalized partial output and its log2-sum-exp; a merge combines them,
@@ -50,6 +50,25 @@ atomic counter that the merging program resets for the next call. On NVIDIA the 
 launch may be a programmatic dependent launch (PDL): its programs start while the split
 kernel drains, read their bounds, and wait for its writes at `griddepcontrol.wait`.
 
+Balanced schedule (SCHED constexpr; the default SCHED_SPLITS is the per-sequence split
+above). With ragged lengths, equal splits per sequence leave the longest sequences'
+programs running after the others finish. The balanced schedules cut every sequence into
+BLOCK_N-key blocks, lay the blocks of the whole batch end to end in sequence order, and
+give each of the `n_splits` programs an equal run of that stream (FlashMLA's
+get_mla_metadata plans the same kind of split on the host). A run may hold the end of one
+sequence, whole sequences and the start of the next: the program handles them one segment
+at a time. Each program computes the schedule itself from the lengths (one vector load and
+a prefix sum over the batch), so there is no planning launch, nothing is read on the host,
+and one compiled kernel serves every length. The partials of (program p, sequence b) go to
+slot p + b: a sequence's slots are consecutive, and no two segments share one (for
+b < b', sequence b' starts at or after the program where b ends), so n_splits + batch
+slots hold them all. A sequence inside one program's run is written directly.
+Each sequence also counts `seg_cost` blocks of setup at its start, so a program whose run
+starts a sequence gets fewer keys. SCHED_TOKENS reads the contiguous cache (KV_INDPTR:
+cumulative tokens); SCHED_PAGED reads FlashInfer's paged metadata as servers hold it
+(KV_INDPTR: per-sequence lengths; PAGE_TBL: page indices, PAGED == PAGE_INDEX) through
+pointer loads, each tile's page indices loaded one tile ahead.
+
 Causality: query j of a sequence with q_len queries and kv length L sees keys
 [0, L - q_len + j].
 """
@@ -57,7 +76,7 @@ Causality: query j of a sequence with q_len queries and kv length L sees keys
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -74,6 +93,12 @@ COMPUTES = {"bf16": CMP_BF16, "fp16": CMP_FP16, "fp8": CMP_FP8, "fp8qk": CMP_FP8
 TMA_OFF, TMA_KERNEL_DESC, TMA_HOST_DESC = 0, 1, 2
 """Values of the split kernel's TMA constexpr: pointer loads, descriptors made per program,
 descriptors made on the host (see "KV loads" above)."""
+SCHED_SPLITS, SCHED_TOKENS, SCHED_PAGED = 0, 1, 2
+"""Values of the SCHED constexpr (see "Balanced schedule" above): per-sequence splits; the
+token-balanced schedule over a contiguous cache (KV_INDPTR: cumulative tokens); the same
+over FlashInfer's paged metadata (KV_INDPTR: lengths, PAGE_TBL: page indices)."""
+PAGE_INDEX = 2
+"""PAGED value for a page table of page indices (PAGED=True: of first page rows)."""
 D_NOPE = tl.constexpr(512)
 D_ROPE = tl.constexpr(64)
 D_QK = tl.constexpr(576)
@@ -229,17 +254,19 @@ def _round_e4m3(x):
 
 
 @triton.jit
-def _merge_splits(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows,
+def _merge_splits(PART_O, PART_LSE, OUT, grow, pbase, row_ok, n_act, total_rows,
                   BLOCK_M: tl.constexpr):
-    """Combine `n_act` normalized partials of rows `grow` by their log2-sum-exp, one
-    partial at a time (the fused merge: a whole [BLOCK_M, 512] partial per step)."""
+    """Combine `n_act` normalized partials of output rows `grow` by their log2-sum-exp, one
+    partial at a time (the fused merge: a whole [BLOCK_M, 512] partial per step). Partial
+    s of a row is partial row `s * total_rows + pbase` (`pbase` is `grow` for per-sequence
+    splits; the balanced schedule packs a sequence's partials, see _stream_schedule)."""
     offs_d = tl.arange(0, D_NOPE)
     m = tl.full([BLOCK_M], -1.0e30, tl.float32)
     wsum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_NOPE], tl.float32)
     s = 0
     while s < n_act:  # a while loop: the interpreter cannot range() over a loaded bound
-        prow = s * total_rows + grow
+        prow = s * total_rows + pbase
         lse = tl.load(PART_LSE + prow, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(PART_O + prow[:, None] * D_NOPE + offs_d[None, :], mask=row_ok[:, None],
                     other=0.0, cache_modifier=".cg")
@@ -257,11 +284,12 @@ def _merge_splits(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows,
 
 
 @triton.jit
-def _merge_split_blocks(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows, d0,
+def _merge_split_blocks(PART_O, PART_LSE, OUT, grow, pbase, row_ok, n_act, total_rows, d0,
                         BLOCK_M: tl.constexpr, D_CHUNK: tl.constexpr, S_BLOCK: tl.constexpr):
-    """Combine `n_act` partials of rows `grow`, dims [d0, d0 + D_CHUNK), S_BLOCK partials
-    per step in one load each of their LSEs and outputs: a merge of up to S_BLOCK splits
-    is one round trip to the cache, not one per split."""
+    """Combine `n_act` partials of output rows `grow` (partial rows `s * total_rows +
+    pbase`, as in _merge_splits), dims [d0, d0 + D_CHUNK), S_BLOCK partials per step in
+    one load each of their LSEs and outputs: a merge of up to S_BLOCK splits is one round
+    trip to the cache, not one per split."""
     offs_d = d0 + tl.arange(0, D_CHUNK)
     offs_s = tl.arange(0, S_BLOCK)
     m = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -270,7 +298,7 @@ def _merge_split_blocks(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows, 
     s0 = 0
     while s0 < n_act:  # a while loop: the interpreter cannot range() over a loaded bound
         ok = ((s0 + offs_s) < n_act)[:, None] & row_ok[None, :]
-        prow = (s0 + offs_s)[:, None] * total_rows + grow[None, :]  # [S_BLOCK, BLOCK_M]
+        prow = (s0 + offs_s)[:, None] * total_rows + pbase[None, :]  # [S_BLOCK, BLOCK_M]
         lse = tl.load(PART_LSE + prow, mask=ok, other=float("-inf"), cache_modifier=".cg")
         o = tl.load(PART_O + prow[:, :, None] * D_NOPE + offs_d[None, None, :],
                     mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
@@ -298,15 +326,70 @@ def _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _stream_schedule(KV_INDPTR, batch, n_progs, seg_cost, SCHED: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BATCH_P2: tl.constexpr):
+    """The token-balanced schedule (see "Balanced schedule" in the module docstring) of the
+    whole batch, from its lengths: per sequence [BATCH_P2] (first key row, length, first
+    unit in the batch's stream, blocks) and `per`, the units of each program's run. A
+    sequence takes `seg_cost` units of the stream before its blocks: the setup a program
+    pays for each sequence it starts. SCHED_TOKENS: KV_INDPTR holds cumulative tokens;
+    SCHED_PAGED: the lengths (keys are found through pages, so the first key row is 0)."""
+    ob = tl.arange(0, BATCH_P2)
+    ok = ob < batch
+    if SCHED == 1:
+        start = tl.load(KV_INDPTR + ob, mask=ok, other=0).to(tl.int32)
+        L = tl.load(KV_INDPTR + 1 + ob, mask=ok, other=0).to(tl.int32) - start
+    else:
+        L = tl.load(KV_INDPTR + ob, mask=ok, other=0).to(tl.int32)
+        start = tl.zeros([BATCH_P2], tl.int32)
+    nblk = tl.cdiv(L, BLOCK_N)
+    units = tl.where(ok, nblk + seg_cost, 0)
+    blk0 = tl.cumsum(units, 0) - units
+    per = tl.maximum(tl.cdiv(tl.sum(units, 0), n_progs), 1)
+    return start, L, blk0, nblk, per
+
+
+@triton.jit
+def _seq_keys(KV_INDPTR, b, SCHED: tl.constexpr):
+    """(first key row, length) of sequence b under a balanced schedule (_stream_schedule)."""
+    if SCHED == 1:
+        kv_start = tl.load(KV_INDPTR + b).to(tl.int32)
+        L = tl.load(KV_INDPTR + b + 1).to(tl.int32) - kv_start
+    else:
+        L = tl.load(KV_INDPTR + b).to(tl.int32)
+        kv_start = L * 0
+    return kv_start, L
+
+
+@triton.jit
+def _pick(v, sel):
+    """The element of vector `v` where `sel` holds (0 where it holds nowhere)."""
+    return tl.sum(tl.where(sel, v, 0), 0)
+
+
+@triton.jit
+def _stream_partials(c0, n, b, per):
+    """(first partial slot, number of partials) of sequence b whose blocks are units
+    [c0, c0 + n) of the stream: programs c0 // per .. (c0 + n - 1) // per write its
+    partials, program p to slot p + b."""
+    p0 = c0 // per
+    return p0 + b, (c0 + n - 1) // per - p0 + 1
+
+
+@triton.jit
 def _tile_rows(PAGE_TBL, pg_start, page_shift, kv_start, n0, hi, BLOCK_N: tl.constexpr,
                PAGED: tl.constexpr):
-    """(token offsets, in-range mask, physical cache rows) of the tile [n0, n0 + BLOCK_N)."""
+    """(token offsets, in-range mask, physical cache rows) of the tile [n0, n0 + BLOCK_N).
+    PAGED: table entries are the first physical row of each page (identity_page_table);
+    PAGED == PAGE_INDEX: they are page indices, as servers store them."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
     if PAGED:
-        # Table entries are the first physical row of each page (see identity_page_table).
         ent = tl.load(PAGE_TBL + pg_start + (offs_n >> page_shift), mask=n_ok, other=0)
-        phys = (ent + (offs_n & ((1 << page_shift) - 1))).to(tl.int64)
+        if PAGED == 2:
+            phys = (ent.to(tl.int64) << page_shift) + (offs_n & ((1 << page_shift) - 1))
+        else:
+            phys = (ent + (offs_n & ((1 << page_shift) - 1))).to(tl.int64)
     else:
         # Contiguous cache: no table load in the dependency chain of the tile load.
         phys = (kv_start + offs_n).to(tl.int64)
@@ -428,6 +511,58 @@ def _attend_kv_tile(KV, desc_n, desc_r, PAGE_TBL, pg_start, page_shift, kv_start
 
 
 @triton.jit
+def _paged_ptr_tile(KV, PAGE_TBL, pg_start, page_shift, ent, n0, hi, sc_stride, qnT, qrT,
+                    row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr,
+                    COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                    STAGED: tl.constexpr):
+    """A tile [n0, n0 + BLOCK_N) of a paged sequence through masked pointer loads; `ent`
+    (its keys' page indices) was loaded one tile ahead, so the table load is not in the
+    dependency chain of the tile's load. Returns (m_i, l_i, acc, the next tile's page
+    indices)."""
+    offs = tl.arange(0, BLOCK_N)
+    nn = n0 + BLOCK_N + offs
+    nxt = tl.load(PAGE_TBL + pg_start + (nn >> page_shift), mask=nn < hi, other=0)
+    offs_n = n0 + offs
+    n_ok = offs_n < hi
+    phys = (ent.to(tl.int64) << page_shift) + (offs_n & ((1 << page_shift) - 1))
+    kn_raw, kr_raw = _load_kv_tile(KV, phys, n_ok)
+    m_i, l_i, acc = _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT, qrT, row_scale,
+                                 limit, m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE, UPCAST,
+                                 STAGED)
+    return m_i, l_i, acc, nxt
+
+
+@triton.jit
+def _attend_paged(KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT, qrT, row_scale,
+                  limit, m_i, l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr,
+                  COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                  STAGED: tl.constexpr):
+    """Keys [lo, hi) of a bf16/fp8 sequence whose pages PAGE_TBL lists by index (PAGED ==
+    PAGE_INDEX), through masked pointer loads, each tile's page indices loaded one tile
+    ahead. (Whole tiles through TMA over the pool's rows, for pages of a tile or more,
+    was no faster on the H200: 5-10 % slower at 32 sequences, 1-2 % faster at 128;
+    bench/results/serving_loop.md.)"""
+    offs = tl.arange(0, BLOCK_N)
+    ent = tl.load(PAGE_TBL + pg_start + ((lo + offs) >> page_shift), mask=lo + offs < hi,
+                  other=0)
+    if UPCAST:
+        n0 = lo
+        while n0 < hi:  # the interpreter cannot range() over loaded bounds
+            m_i, l_i, acc, ent = _paged_ptr_tile(
+                KV, PAGE_TBL, pg_start, page_shift, ent, n0, hi, sc_stride, qnT, qrT,
+                row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE, BLOCK_N,
+                UPCAST, STAGED)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc, ent = _paged_ptr_tile(
+                KV, PAGE_TBL, pg_start, page_shift, ent, n0, hi, sc_stride, qnT, qrT,
+                row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE, BLOCK_N,
+                UPCAST, STAGED)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _attend_tile_mxfp4(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0,
                        hi, qea, qoa, qeb, qob, qre, qro, row_scale, limit, m_i, l_i, acc_ea,
                        acc_oa, acc_eb, acc_ob, lazy,
@@ -486,7 +621,159 @@ def _attend_tile_mxfp4(KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_
     return m_i, l_i, acc_ea, acc_oa, acc_eb, acc_ob
 
 
-@triton.jit(do_not_specialize=["sc_stride", "page_shift", "total_rows", "n_splits", "fast"])
+@triton.jit
+def _attend_rows(
+    Q, KV, KV_DESC_N, KV_DESC_R, KV_SCALE, KV_SC, sc_stride, PAGE_TBL, PAGE_INDPTR, page_shift,
+    OUT, PART_O, PART_LSE, COUNTERS, H, total_rows, qk_scale, fast,
+    pid_m, b, q_start, q_len, rows, r0, kv_start, L, split, chunk, n_act,
+    seg_lo, seg_hi, slot, first,
+    KV_FMT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr, UPCAST: tl.constexpr, FP8_STAGED: tl.constexpr, NV_ASM: tl.constexpr,
+    TMA: tl.constexpr, SCHED: tl.constexpr,
+):
+    """Rows [r0, r0 + BLOCK_M) of sequence b against one range of its keys, written as the
+    output (`n_act` == 1) or as a partial (merged by the last program to finish when
+    `fast`). SCHED_SPLITS: keys [split * chunk, + chunk), partial `split`; otherwise keys
+    [seg_lo, seg_hi), partial slot `slot`, the sequence's partials from slot `first`."""
+    offs_m = r0 + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows
+    grow = (q_start * H + offs_m).to(tl.int64)
+    offs_d = tl.arange(0, D_NOPE)
+    offs_r = tl.arange(0, D_ROPE)
+    # Causal limit per row (inclusive) and the key range this program must visit.
+    limit = L - q_len + offs_m // H
+    j_max = tl.minimum((r0 + BLOCK_M - 1) // H, q_len - 1)
+    lo = split * chunk
+    hi = tl.minimum(tl.minimum(lo + chunk, L), L - q_len + j_max + 1)
+    if SCHED != 0:
+        lo = seg_lo
+        hi = tl.minimum(tl.minimum(seg_hi, L), L - q_len + j_max + 1)
+    pg_start = 0
+    if PAGED:
+        pg_start = tl.load(PAGE_INDPTR + b)
+    # Per-row factor taking raw dot products to log2-domain logits.
+    row_scale = tl.full([BLOCK_M], qk_scale, tl.float32)
+    out_scale = tl.full([BLOCK_M], 1.0, tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    q_row = Q + grow[:, None] * D_QK
+    if KV_FMT == 2:
+        qea, qoa = _load_q_parity(q_row, 0, D_NOPE // 2, row_ok, UPCAST)
+        qeb, qob = _load_q_parity(q_row, D_NOPE // 2, D_NOPE // 2, row_ok, UPCAST)
+        qre, qro = _load_q_parity(q_row, D_NOPE, D_ROPE, row_ok, UPCAST)
+        acc_ea = tl.zeros([BLOCK_M, D_NOPE // 4], tl.float32)
+        acc_oa = tl.zeros([BLOCK_M, D_NOPE // 4], tl.float32)
+        acc_eb = tl.zeros([BLOCK_M, D_NOPE // 4], tl.float32)
+        acc_ob = tl.zeros([BLOCK_M, D_NOPE // 4], tl.float32)
+        if UPCAST:
+            # The interpreter cannot take loaded scalars as range() bounds (numpy >= 2).
+            n0 = lo
+            while n0 < hi:
+                m_i, l_i, acc_ea, acc_oa, acc_eb, acc_ob = _attend_tile_mxfp4(
+                    KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0,
+                    hi, qea, qoa, qeb, qob, qre, qro, row_scale, limit, m_i, l_i, acc_ea,
+                    acc_oa, acc_eb, acc_ob, fast, BLOCK_N, PAGED, UPCAST, NV_ASM)
+                n0 += BLOCK_N
+        else:
+            for n0 in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc_ea, acc_oa, acc_eb, acc_ob = _attend_tile_mxfp4(
+                    KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0,
+                    hi, qea, qoa, qeb, qob, qre, qro, row_scale, limit, m_i, l_i, acc_ea,
+                    acc_oa, acc_eb, acc_ob, fast, BLOCK_N, PAGED, UPCAST, NV_ASM)
+        # Back to natural dimension order: d = 256 * half + 2 * i + parity.
+        acc_a = tl.reshape(tl.join(acc_ea, acc_oa), [BLOCK_M, D_NOPE // 2])
+        acc_b = tl.reshape(tl.join(acc_eb, acc_ob), [BLOCK_M, D_NOPE // 2])
+        acc = tl.reshape(tl.permute(tl.join(acc_a, acc_b), (0, 2, 1)), [BLOCK_M, D_NOPE])
+    else:
+        qn = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        qr = tl.load(q_row + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+        if KV_FMT == 1:
+            kv_scale = tl.load(KV_SCALE)
+            row_scale = row_scale * kv_scale
+            out_scale = out_scale * kv_scale
+        if COMPUTE >= 2:
+            amax = tl.maximum(tl.max(tl.abs(qn.to(tl.float32)), 1),
+                              tl.max(tl.abs(qr.to(tl.float32)), 1))
+            q_sc = tl.maximum(amax, 1e-12) / FP8_MAX
+            qn = qn.to(tl.float32) / q_sc[:, None]
+            qr = qr.to(tl.float32) / q_sc[:, None]
+            row_scale = row_scale * q_sc
+        qnT = tl.trans(_mma_operand(qn, COMPUTE, UPCAST))
+        qrT = tl.trans(_mma_operand(qr, COMPUTE, UPCAST))
+        # fp8 P: p <= 1 (<= 2**LAZY_TAU when lazy); a power-of-two gain uses e4m3's range.
+        p_gain = tl.where(fast != 0, 1.0, 256.0)
+        if COMPUTE == 2:
+            out_scale = out_scale / p_gain
+        acc = tl.zeros([D_NOPE, BLOCK_M], tl.float32)
+        desc_n = KV
+        desc_r = KV
+        if TMA == 1:
+            # Bounded at the split's end: see "KV loads" in the module docstring.
+            end = (kv_start + hi).to(tl.int32)
+            desc_n = tl.make_tensor_descriptor(KV, [end, D_QK], [D_QK, 1],
+                                               [BLOCK_N, D_NOPE])
+            desc_r = tl.make_tensor_descriptor(KV, [end, D_QK], [D_QK, 1],
+                                               [BLOCK_N, D_ROPE])
+        elif TMA == 2:
+            desc_n = KV_DESC_N
+            desc_r = KV_DESC_R
+        if PAGED == 2:
+            m_i, l_i, acc = _attend_paged(
+                KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT, qrT, row_scale,
+                limit, m_i, l_i, acc, fast, p_gain, KV_FMT, COMPUTE, BLOCK_N, UPCAST,
+                FP8_STAGED)
+        elif UPCAST:
+            n0 = lo
+            while n0 < hi:
+                m_i, l_i, acc = _attend_kv_tile(
+                    KV, desc_n, desc_r, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
+                    sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
+                    KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST, FP8_STAGED, TMA)
+                n0 += BLOCK_N
+        else:
+            for n0 in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc = _attend_kv_tile(
+                    KV, desc_n, desc_r, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
+                    sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
+                    KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST, FP8_STAGED, TMA)
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    if KV_FMT == 2:
+        o = acc * (out_scale / l_safe)[:, None]
+    else:
+        o = tl.trans(acc * (out_scale / l_safe)[None, :])
+    if COMPUTE == 2:
+        o = _dims_natural(o)
+    if n_act == 1:
+        tl.store(OUT + grow[:, None] * D_NOPE + offs_d[None, :],
+                 o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        prow = split * total_rows + grow
+        if SCHED != 0:
+            prow = (slot * total_rows + offs_m).to(tl.int64)
+        tl.store(PART_O + prow[:, None] * D_NOPE + offs_d[None, :], o,
+                 mask=row_ok[:, None])
+        tl.store(PART_LSE + prow, m_i + tl.log2(l_i), mask=row_ok)
+        fused = fast != 0
+        if SCHED != 0:
+            fused = fast == 1  # 2: lazy rescaling, the merge in a second launch
+        if fused:
+            tl.debug_barrier()
+            cidx = b * tl.num_programs(0) + pid_m
+            done = tl.atomic_add(COUNTERS + cidx, 1, sem="acq_rel", scope="gpu")
+            if done == n_act - 1:
+                pbase = grow
+                if SCHED != 0:
+                    pbase = (first * total_rows + offs_m).to(tl.int64)
+                # (Two partials per round trip instead held enough registers to spill in
+                # the tile loop on sm_90.)
+                _merge_splits(PART_O, PART_LSE, OUT, grow, pbase, row_ok, n_act, total_rows,
+                              BLOCK_M)
+                tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit(do_not_specialize=["sc_stride", "page_shift", "total_rows", "n_splits", "fast",
+                               "batch", "seg_cost"])
 def mla_decode_kernel(
     Q, KV, KV_DESC_N, KV_DESC_R, KV_SCALE, KV_SC, sc_stride,
     QO_INDPTR, KV_INDPTR, PAGE_TBL, PAGE_INDPTR, page_shift,
@@ -495,157 +782,98 @@ def mla_decode_kernel(
     KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
     FP8_STAGED: tl.constexpr, NV_ASM: tl.constexpr, TMA: tl.constexpr,
+    SCHED: tl.constexpr = 0, BATCH_P2: tl.constexpr = 1, batch=None, seg_cost=None,
 ):
-    """Grid (row blocks, splits, batch). See the module docstring for the scheme.
+    """Grid (row blocks, splits, batch) for SCHED_SPLITS; (row blocks, programs, 1) for the
+    balanced schedules, where `n_splits` is the number of programs, `total_rows` the
+    partial slots' row stride (rows of a sequence), `batch` the batch, BATCH_P2 a power of
+    two >= it and `seg_cost` the blocks a sequence's setup counts for (_stream_schedule).
+    See the module docstring for the scheme.
     `fast` (runtime, so it costs no extra compile): lazy rescaling and the fused
-    last-program merge instead of a second launch. KV_DESC_N/KV_DESC_R: the host-made
+    last-program merge instead of a second launch (balanced schedules: 2 is lazy
+    rescaling with the second-launch merge). KV_DESC_N/KV_DESC_R: the host-made
     descriptors of the nope and rope columns when TMA is TMA_HOST_DESC (otherwise unused)."""
     if NV_ASM:
         # Lets a PDL merge launch start as soon as every split program has begun.
         gdc_launch_dependents()
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start = tl.load(QO_INDPTR + b)
-    q_len = tl.load(QO_INDPTR + b + 1) - q_start
-    rows = q_len * H
-    r0 = pid_m * BLOCK_M
-    kv_start, L, chunk, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
-    if (r0 < rows) & (split < n_act):
-        offs_m = r0 + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < rows
-        grow = (q_start * H + offs_m).to(tl.int64)
-        offs_d = tl.arange(0, D_NOPE)
-        offs_r = tl.arange(0, D_ROPE)
-        # Causal limit per row (inclusive) and the key range this program must visit.
-        limit = L - q_len + offs_m // H
-        j_max = tl.minimum((r0 + BLOCK_M - 1) // H, q_len - 1)
-        lo = split * chunk
-        hi = tl.minimum(tl.minimum(lo + chunk, L), L - q_len + j_max + 1)
-        pg_start = 0
-        if PAGED:
-            pg_start = tl.load(PAGE_INDPTR + b)
-        # Per-row factor taking raw dot products to log2-domain logits.
-        row_scale = tl.full([BLOCK_M], qk_scale, tl.float32)
-        out_scale = tl.full([BLOCK_M], 1.0, tl.float32)
-        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        q_row = Q + grow[:, None] * D_QK
-        if KV_FMT == 2:
-            qea, qoa = _load_q_parity(q_row, 0, D_NOPE // 2, row_ok, UPCAST)
-            qeb, qob = _load_q_parity(q_row, D_NOPE // 2, D_NOPE // 2, row_ok, UPCAST)
-            qre, qro = _load_q_parity(q_row, D_NOPE, D_ROPE, row_ok, UPCAST)
-            acc_ea = tl.zeros([BLOCK_M, D_NOPE // 4], tl.float32)
-            acc_oa = tl.zeros([BLOCK_M, D_NOPE // 4], tl.float32)
-            acc_eb = tl.zeros([BLOCK_M, D_NOPE // 4], tl.float32)
-            acc_ob = tl.zeros([BLOCK_M, D_NOPE // 4], tl.float32)
-            if UPCAST:
-                # The interpreter cannot take loaded scalars as range() bounds (numpy >= 2).
-                n0 = lo
-                while n0 < hi:
-                    m_i, l_i, acc_ea, acc_oa, acc_eb, acc_ob = _attend_tile_mxfp4(
-                        KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0,
-                        hi, qea, qoa, qeb, qob, qre, qro, row_scale, limit, m_i, l_i, acc_ea,
-                        acc_oa, acc_eb, acc_ob, fast, BLOCK_N, PAGED, UPCAST, NV_ASM)
-                    n0 += BLOCK_N
-            else:
-                for n0 in range(lo, hi, BLOCK_N):
-                    m_i, l_i, acc_ea, acc_oa, acc_eb, acc_ob = _attend_tile_mxfp4(
-                        KV, KV_SC, sc_stride, PAGE_TBL, pg_start, page_shift, kv_start, n0,
-                        hi, qea, qoa, qeb, qob, qre, qro, row_scale, limit, m_i, l_i, acc_ea,
-                        acc_oa, acc_eb, acc_ob, fast, BLOCK_N, PAGED, UPCAST, NV_ASM)
-            # Back to natural dimension order: d = 256 * half + 2 * i + parity.
-            acc_a = tl.reshape(tl.join(acc_ea, acc_oa), [BLOCK_M, D_NOPE // 2])
-            acc_b = tl.reshape(tl.join(acc_eb, acc_ob), [BLOCK_M, D_NOPE // 2])
-            acc = tl.reshape(tl.permute(tl.join(acc_a, acc_b), (0, 2, 1)), [BLOCK_M, D_NOPE])
-        else:
-            qn = tl.load(q_row + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-            qr = tl.load(q_row + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-            if KV_FMT == 1:
-                kv_scale = tl.load(KV_SCALE)
-                row_scale = row_scale * kv_scale
-                out_scale = out_scale * kv_scale
-            if COMPUTE >= 2:
-                amax = tl.maximum(tl.max(tl.abs(qn.to(tl.float32)), 1),
-                                  tl.max(tl.abs(qr.to(tl.float32)), 1))
-                q_sc = tl.maximum(amax, 1e-12) / FP8_MAX
-                qn = qn.to(tl.float32) / q_sc[:, None]
-                qr = qr.to(tl.float32) / q_sc[:, None]
-                row_scale = row_scale * q_sc
-            qnT = tl.trans(_mma_operand(qn, COMPUTE, UPCAST))
-            qrT = tl.trans(_mma_operand(qr, COMPUTE, UPCAST))
-            # fp8 P: p <= 1 (<= 2**LAZY_TAU when lazy); a power-of-two gain uses e4m3's range.
-            p_gain = tl.where(fast != 0, 1.0, 256.0)
-            if COMPUTE == 2:
-                out_scale = out_scale / p_gain
-            acc = tl.zeros([D_NOPE, BLOCK_M], tl.float32)
-            desc_n = KV
-            desc_r = KV
-            if TMA == 1:
-                # Bounded at the split's end: see "KV loads" in the module docstring.
-                end = (kv_start + hi).to(tl.int32)
-                desc_n = tl.make_tensor_descriptor(KV, [end, D_QK], [D_QK, 1],
-                                                   [BLOCK_N, D_NOPE])
-                desc_r = tl.make_tensor_descriptor(KV, [end, D_QK], [D_QK, 1],
-                                                   [BLOCK_N, D_ROPE])
-            elif TMA == 2:
-                desc_n = KV_DESC_N
-                desc_r = KV_DESC_R
-            if UPCAST:
-                n0 = lo
-                while n0 < hi:
-                    m_i, l_i, acc = _attend_kv_tile(
-                        KV, desc_n, desc_r, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
-                        sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
-                        KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST, FP8_STAGED, TMA)
-                    n0 += BLOCK_N
-            else:
-                for n0 in range(lo, hi, BLOCK_N):
-                    m_i, l_i, acc = _attend_kv_tile(
-                        KV, desc_n, desc_r, PAGE_TBL, pg_start, page_shift, kv_start, n0, hi,
-                        sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc, fast, p_gain,
-                        KV_FMT, COMPUTE, BLOCK_N, PAGED, UPCAST, FP8_STAGED, TMA)
-
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        if KV_FMT == 2:
-            o = acc * (out_scale / l_safe)[:, None]
-        else:
-            o = tl.trans(acc * (out_scale / l_safe)[None, :])
-        if COMPUTE == 2:
-            o = _dims_natural(o)
-        if n_act == 1:
-            tl.store(OUT + grow[:, None] * D_NOPE + offs_d[None, :],
-                     o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-        else:
-            prow = split * total_rows + grow
-            tl.store(PART_O + prow[:, None] * D_NOPE + offs_d[None, :], o,
-                     mask=row_ok[:, None])
-            tl.store(PART_LSE + prow, m_i + tl.log2(l_i), mask=row_ok)
-            if fast != 0:
-                tl.debug_barrier()
-                cidx = b * tl.num_programs(0) + pid_m
-                done = tl.atomic_add(COUNTERS + cidx, 1, sem="acq_rel", scope="gpu")
-                if done == n_act - 1:
-                    _merge_splits(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows,
-                                  BLOCK_M)
-                    tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", scope="gpu")
+    if SCHED == 0:
+        b = tl.program_id(2)
+        q_start = tl.load(QO_INDPTR + b)
+        q_len = tl.load(QO_INDPTR + b + 1) - q_start
+        rows = q_len * H
+        r0 = pid_m * BLOCK_M
+        kv_start, L, chunk, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
+        if (r0 < rows) & (split < n_act):
+            _attend_rows(
+                Q, KV, KV_DESC_N, KV_DESC_R, KV_SCALE, KV_SC, sc_stride, PAGE_TBL, PAGE_INDPTR,
+                page_shift, OUT, PART_O, PART_LSE, COUNTERS, H, total_rows, qk_scale, fast,
+                pid_m, b, q_start, q_len, rows, r0, kv_start, L, split, chunk, n_act,
+                0, 0, 0, 0, KV_FMT, COMPUTE, BLOCK_M, BLOCK_N, PAGED, UPCAST, FP8_STAGED,
+                NV_ASM, TMA, SCHED)
+    else:
+        # This program's run of the block stream: one segment per sequence it touches.
+        r0 = pid_m * BLOCK_M
+        _, _, blk0_v, nblk_v, per = _stream_schedule(KV_INDPTR, batch, n_splits, seg_cost,
+                                                     SCHED, BLOCK_N, BATCH_P2)
+        ob = tl.arange(0, BATCH_P2)
+        s_lo = split * per
+        s_hi = s_lo + per
+        ok = ob < batch
+        # Sequences whose blocks (after their setup units) meet this run.
+        b = tl.sum((ok & (blk0_v + seg_cost + nblk_v <= s_lo)).to(tl.int32), 0)
+        b_end = tl.sum((ok & (blk0_v + seg_cost < s_hi)).to(tl.int32), 0)
+        # Only scalars live through the segments (the vectors would hold registers the
+        # tile loop needs): each sequence's bounds are loaded again, the stream position
+        # of its first block is carried.
+        c0 = _pick(blk0_v, ob == b) + seg_cost
+        while b < b_end:
+            kv_start, L = _seq_keys(KV_INDPTR, b, SCHED)
+            n = tl.cdiv(L, BLOCK_N)
+            first, n_act = _stream_partials(c0, n, b, per)
+            q_start = tl.load(QO_INDPTR + b)
+            q_len = tl.load(QO_INDPTR + b + 1) - q_start
+            rows = q_len * H
+            if (r0 < rows) & (n > 0):
+                _attend_rows(
+                    Q, KV, KV_DESC_N, KV_DESC_R, KV_SCALE, KV_SC, sc_stride, PAGE_TBL,
+                    PAGE_INDPTR, page_shift, OUT, PART_O, PART_LSE, COUNTERS, H, total_rows,
+                    qk_scale, fast, pid_m, b, q_start, q_len, rows, r0, kv_start, L, 0, 0,
+                    n_act, (tl.maximum(s_lo, c0) - c0) * BLOCK_N,
+                    (tl.minimum(s_hi, c0 + n) - c0) * BLOCK_N, split + b, first, KV_FMT,
+                    COMPUTE, BLOCK_M, BLOCK_N, PAGED, UPCAST, FP8_STAGED, NV_ASM, TMA, SCHED)
+            c0 += n + seg_cost
+            b += 1
 
 
-@triton.jit(do_not_specialize=["total_rows", "n_splits"])
+@triton.jit(do_not_specialize=["total_rows", "n_splits", "batch", "seg_cost"])
 def mla_merge_kernel(QO_INDPTR, KV_INDPTR, PART_O, PART_LSE, OUT, H, total_rows, n_splits,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+                     SCHED: tl.constexpr = 0, BATCH_P2: tl.constexpr = 1, batch=None,
+                     seg_cost=None):
     """Second-launch merge, grid (row blocks, batch, MERGE_CHUNKS): each program merges one
     slice of the output dims, 16 splits per load, so a sequence's partials are read by
     MERGE_CHUNKS programs at once in one or a few round trips. Sequences with one split
     were written directly by the split kernel. PDL: launched as a programmatic dependent
     launch, so the split kernel's writes are waited for here, after the bounds are read
-    (the index arrays are inputs of both kernels, not written by either)."""
+    (the index arrays are inputs of both kernels, not written by either). The balanced
+    schedules (SCHED, `batch`, BATCH_P2, `seg_cost` and the arguments as in
+    mla_decode_kernel) find a sequence's partials from the same schedule."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     d0 = tl.program_id(2) * (D_NOPE // MERGE_CHUNKS)
     q_start = tl.load(QO_INDPTR + b)
     rows = (tl.load(QO_INDPTR + b + 1) - q_start) * H
-    _, _, _, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
+    if SCHED == 0:
+        _, _, _, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
+        first = 0
+    else:
+        _, _, blk0_v, nblk_v, per = _stream_schedule(KV_INDPTR, batch, n_splits, seg_cost,
+                                                     SCHED, BLOCK_N, BATCH_P2)
+        sel = tl.arange(0, BATCH_P2) == b
+        first, n_act = _stream_partials(_pick(blk0_v, sel) + seg_cost, _pick(nblk_v, sel),
+                                        b, per)
     r0 = pid_m * BLOCK_M
     if PDL:
         gdc_wait()
@@ -653,7 +881,10 @@ def mla_merge_kernel(QO_INDPTR, KV_INDPTR, PART_O, PART_LSE, OUT, H, total_rows,
         offs_m = r0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < rows
         grow = (q_start * H + offs_m).to(tl.int64)
-        _merge_split_blocks(PART_O, PART_LSE, OUT, grow, row_ok, n_act, total_rows, d0,
+        pbase = grow
+        if SCHED != 0:
+            pbase = (first * total_rows + offs_m).to(tl.int64)
+        _merge_split_blocks(PART_O, PART_LSE, OUT, grow, pbase, row_ok, n_act, total_rows, d0,
                             BLOCK_M, D_NOPE // MERGE_CHUNKS, 16)
 
 
@@ -686,15 +917,19 @@ class KernelConfig:
             return TMA_OFF
         return TMA_HOST_DESC if self.kv_load == "tma_host" and host_desc_ok else TMA_KERNEL_DESC
 
-    def constexprs(self, paged: bool, upcast: bool, nvidia: bool) -> dict[str, int | bool]:
+    def constexprs(self, paged: bool | int, upcast: bool, nvidia: bool, sched: int = 0,
+                   batch_p2: int = 1) -> dict[str, int | bool]:
         """The constexpr arguments that define the compiled split kernel. `nvidia`: the
-        target takes NVIDIA PTX inline assembly (never under the interpreter)."""
+        target takes NVIDIA PTX inline assembly (never under the interpreter). `paged`:
+        False, True (a table of page rows) or PAGE_INDEX; `sched`, `batch_p2`: the
+        schedule (SCHED_*) and, for the balanced ones, a power of two >= the batch."""
         return {
             "KV_FMT": FORMATS[self.kv_format], "COMPUTE": COMPUTES[self.compute],
             "BLOCK_M": self.block_m, "BLOCK_N": self.block_n, "PAGED": paged,
             "UPCAST": upcast, "FP8_STAGED": self.fp8_convert == "staged",
             "NV_ASM": nvidia and not upcast,
             "TMA": self.tma_mode(nvidia or upcast),
+            "SCHED": sched, "BATCH_P2": batch_p2,
         }
 
     def merge_options(self, upcast: bool, nvidia: bool) -> dict[str, int | bool]:
@@ -722,18 +957,21 @@ def kv_descriptors(kv: torch.Tensor, block_n: int) -> tuple[Any, Any]:
             TensorDescriptor(kv, [rows, D_QK.value], [D_QK.value, 1], [block_n, D_ROPE.value]))
 
 
-def kernel_launches(cfg: KernelConfig, *, heads: int, paged: bool, merge: bool, target: str,
-                    sc_stride: int = 0, upcast: bool = False) -> list[tuple[Any, tuple, dict]]:
+def kernel_launches(cfg: KernelConfig, *, heads: int, paged: bool | int, merge: bool,
+                    target: str, sc_stride: int = 0, upcast: bool = False, sched: int = 0,
+                    batch_p2: int = 1) -> list[tuple[Any, tuple, dict]]:
     """The kernels a launcher of `cfg` compiles for `target` ('cuda:90', 'hip:gfx950', ...),
     as (kernel, args, kwargs) for `warmup`: pointers as dtypes, integers with values of the
     same specialization as a real launch (`H` is specialized on divisibility by 16; the
     other integers are not specialized), host descriptors over a cache on the meta device
     (their specialization is their dtype and box). `merge` adds the second-launch merge
     kernel. Launcher and compile-ahead both build from this, so a kernel compiled ahead is
-    the one the launcher finds in Triton's cache."""
+    the one the launcher finds in Triton's cache. `sched`/`batch_p2`: a balanced schedule
+    (BalancedLauncher), whose kernels also take the batch (not specialized)."""
     kv = _KV_DTYPES[cfg.kv_format]
     f32, i32 = torch.float32, torch.int32
-    constexprs = cfg.constexprs(paged, upcast, target.startswith("cuda"))
+    constexprs = cfg.constexprs(paged, upcast, target.startswith("cuda"), sched, batch_p2)
+    extra = {} if sched == SCHED_SPLITS else {"batch": 2, "seg_cost": 2}
     desc_n = desc_r = kv
     if constexprs["TMA"] == TMA_HOST_DESC:
         desc_n, desc_r = kv_descriptors(torch.empty((1, D_QK.value), dtype=kv, device="meta"),
@@ -742,11 +980,13 @@ def kernel_launches(cfg: KernelConfig, *, heads: int, paged: bool, merge: bool, 
                   i32, i32, 0, torch.bfloat16, f32, f32, i32, heads, 1, 1, 1.0,
                   int(cfg.fast_mode))
     launches = [(mla_decode_kernel, split_args,
-                 dict(constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages))]
+                 dict(constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra))]
     if merge:
         merge_args = (i32, i32, f32, f32, torch.bfloat16, heads, 1, 1)
-        launches.append((mla_merge_kernel, merge_args,
-                         cfg.merge_options(upcast, target.startswith("cuda"))))
+        opts = cfg.merge_options(upcast, target.startswith("cuda"))
+        if sched != SCHED_SPLITS:
+            opts = dict(opts, SCHED=sched, BATCH_P2=batch_p2, **extra)
+        launches.append((mla_merge_kernel, merge_args, opts))
     return launches
 
 
@@ -926,8 +1166,11 @@ class MlaDecodeLauncher:
         k1 = compiled[0]
         k2 = compiled[1] if len(compiled) > 1 else None
         k1.run  # noqa: B018 - loads the module and creates the launcher
-        merge_cx = (self.cfg.block_m, self.cfg.block_n, self.merge_opts["PDL"])
-        self._raw = (k1.run, k1.function, k1.packed_metadata, tuple(self.constexprs.values()),
+        # Constexprs (and `batch`, `seg_cost`: None here) go last, in parameter order.
+        merge_cx = (self.cfg.block_m, self.cfg.block_n, self.merge_opts["PDL"], SCHED_SPLITS,
+                    1, None, None)
+        self._raw = (k1.run, k1.function, k1.packed_metadata,
+                     tuple(self.constexprs.values()) + (None, None),
                      None if k2 is None else (k2.run, k2.function, k2.packed_metadata,
                                               merge_cx))
         if k2 is not None:
@@ -972,3 +1215,283 @@ class MlaDecodeLauncher:
             run2, fn2, md2, cx2 = merge
             g = self.merge_grid
             run2(g[0], g[1], g[2], stream, fn2, md2, None, None, None, *merge_args, *cx2)
+
+
+def _c_launch(run: Any) -> Any:
+    """The compiled C `launch` function of Triton's CudaLauncher `run` (pointer arguments
+    may be given to it as integers)."""
+    fn = run.launch
+    if type(fn).__name__ != "builtin_function_or_method":
+        raise RuntimeError("unexpected Triton launcher layout: no C launch function "
+                           f"(got {type(fn).__name__})")
+    return fn
+
+
+def _ctas_per_sm(kernel: Any, num_warps: int, props: Any) -> int:
+    """Resident CTAs per SM of a compiled kernel (registers, shared memory, threads)."""
+    regs = getattr(props, "regs_per_multiprocessor", 65536)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    threads = getattr(props, "max_threads_per_multi_processor", 2048)
+    per_warp = -(-max(int(kernel.n_regs), 1) * 32 // 256) * 256
+    by_regs = (regs // per_warp) // num_warps
+    by_smem = smem // (int(kernel.metadata.shared) + 1024)
+    return max(1, min(by_regs, by_smem, threads // (32 * num_warps), 32))
+
+
+MERGE_FUSED, MERGE_SEPARATE = "fused", "separate"
+"""BalancedLauncher merge modes: by the last program to finish a sequence (one launch; it
+reads the sequence's partials one per round trip), or the second-launch merge kernel (a
+PDL launch on NVIDIA; 16 programs per sequence read up to 16 partials per round trip)."""
+SEG_COST = 1
+"""Blocks of the stream charged for each sequence a program starts (_stream_schedule)."""
+FUSED_MAX_PARTIALS = 4
+"""The automatic merge mode: fused (where the config's fast_mode asks for it) while a
+sequence has at most this many partials on average ((programs + batch) / batch), else the
+second-launch merge: the fused merge reads partials one round trip at a time, a tail that
+grows with their number."""
+
+
+class BalancedLauncher:
+    """A variant built for a whole length bucket with a balanced schedule: SCHED_TOKENS
+    over a contiguous cache, or SCHED_PAGED over FlashInfer's paged metadata (see
+    "Balanced schedule"). Its kernels compute the schedule from the lengths on the device,
+    so one instance serves any lengths of its batch: grid, output, partial slots
+    (programs + batch) and counters depend on the batch and the program count only.
+
+    Programs: `programs` per row block, else whole waves of the device (CTAs resident per
+    SM from the compiled kernel's registers and shared memory) nearest to the program
+    count of `cfg`'s split count (`num_splits` x batch x row blocks): a tuned split count
+    picks how many waves, the balanced schedule fills them evenly. `merge`: MERGE_FUSED,
+    MERGE_SEPARATE, or None for the automatic choice (FUSED_MAX_PARTIALS); lazy rescaling
+    follows `cfg.fast_mode` (the fused merge comes with it). `seg_cost`: see
+    _stream_schedule.
+
+    On a GPU, calls go through the compiled kernels' C launchers with the fixed arguments
+    built once (pointers as integers, which Triton's launcher takes without calling
+    `data_ptr` or checking them); `launch_ptrs` takes the call's pointers as integers, for
+    callers that hold them already. Every pointer must be 16-byte aligned, as the kernels
+    are compiled (`__call__` checks). Under the interpreter the Triton launch path runs.
+    The output is the launcher's own buffer, overwritten by the next call."""
+
+    def __init__(self, cfg: KernelConfig, *, heads: int, q_len: int, batch: int,
+                 device: torch.device | str, sched: int, page_size: int = 1,
+                 sm_scale: float = 1.0 / math.sqrt(576), programs: int = 0,
+                 merge: str | None = None, seg_cost: int = SEG_COST) -> None:
+        if sched not in (SCHED_TOKENS, SCHED_PAGED):
+            raise ValueError(f"sched must be SCHED_TOKENS or SCHED_PAGED, got {sched}")
+        if page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page size must be a power of two, got {page_size}")
+        if merge not in (None, MERGE_FUSED, MERGE_SEPARATE):
+            raise ValueError(f"merge must be {MERGE_FUSED!r} or {MERGE_SEPARATE!r}, got "
+                             f"{merge!r}")
+        device = torch.device(device)
+        self.device, self.sched, self.heads, self.q_len = device, sched, heads, q_len
+        self.batch, self.page_size, self.seg_cost = batch, page_size, int(seg_cost)
+        self._merge_requested = merge
+        self.upcast = interpreting()
+        self.target = device_target(device)
+        nvidia = self.target.startswith("cuda")
+        # Contiguous: per-program descriptors ('tma_host' shares one pair of descriptors,
+        # whose tiles could run past a ragged sequence's end). Paged: pointer loads.
+        if sched == SCHED_PAGED:
+            cfg = replace(cfg, kv_load="pointer", page_size=1)
+        elif cfg.kv_load == "tma_host":
+            cfg = replace(cfg, kv_load="tma")
+        self.cfg = cfg
+        self.row_blocks = triton.cdiv(q_len * heads, cfg.block_m)
+        self.stride = q_len * heads
+        # One compiled kernel for every batch up to 256 (a bucket's batch is exact).
+        self.batch_p2 = max(256, triton.next_power_of_2(batch))
+        self.page_shift = page_size.bit_length() - 1
+        self.paged_flag: bool | int = PAGE_INDEX if sched == SCHED_PAGED else False
+        self.constexprs = cfg.constexprs(self.paged_flag, self.upcast, nvidia, sched,
+                                         self.batch_p2)
+        self.kernel_desc = self.constexprs["TMA"] == TMA_KERNEL_DESC
+        self.merge_opts = dict(cfg.merge_options(self.upcast, nvidia), SCHED=sched,
+                               BATCH_P2=self.batch_p2)
+        self.merge = MERGE_FUSED
+        self.separate_merge = False
+        self.fast = 1
+        self.qk_scale = float(sm_scale) * LOG2E
+        self.out = torch.empty((batch * q_len, heads, D_NOPE), dtype=torch.bfloat16,
+                               device=device)
+        self.counters = torch.zeros(batch * self.row_blocks, dtype=torch.int32, device=device)
+        self.dummy_f32 = torch.zeros(1, dtype=torch.float32, device=device)
+        self.dummy_u8 = torch.zeros(1, dtype=torch.uint8, device=device)
+        self.dummy_i32 = torch.zeros(1, dtype=torch.int32, device=device)
+        self._requested = programs
+        self.programs = 0
+        self.slots = 0
+        self._raw: tuple | None = None
+        self.launch_ptrs: Any = None
+        """`_launch_ptrs` once prepared on a GPU (None under the interpreter)."""
+        self.scratch = torch.empty(0, dtype=torch.uint8, device=device)
+        if self.upcast or device.type != "cuda":
+            self.set_programs(programs or max(1, cfg.num_splits) * batch)
+
+    def _wanted_programs(self) -> int:
+        """Programs per row block: whole waves nearest to the config's program count."""
+        if self._requested:
+            return self._requested
+        slots = self.slots
+        splits = self.cfg.num_splits or 2 * slots // max(1, self.batch * self.row_blocks)
+        waves = max(1, round(max(1, splits) * self.batch * self.row_blocks / slots))
+        return max(1, waves * slots // self.row_blocks)
+
+    def set_programs(self, programs: int, seg_cost: int | None = None) -> None:
+        """Use `programs` programs per row block (sizes the partial slots) and, if given,
+        charge `seg_cost` blocks per sequence start: runtime arguments of the same
+        compiled kernels."""
+        self.programs = max(1, int(programs))
+        if seg_cost is not None:
+            self.seg_cost = int(seg_cost)
+        slots = self.programs + self.batch
+        self.merge = self._merge_requested or (
+            MERGE_FUSED if self.cfg.fast_mode and slots <= FUSED_MAX_PARTIALS * self.batch
+            else MERGE_SEPARATE)
+        self.separate_merge = self.merge == MERGE_SEPARATE
+        # 1: lazy rescaling and the fused merge; 2: lazy rescaling, merge kernel; 0: neither.
+        self.fast = (2 if self.separate_merge else 1) if self.cfg.fast_mode else \
+            (0 if self.separate_merge else 1)
+        self.part_o = torch.empty((slots, self.stride, D_NOPE), dtype=torch.float32,
+                                  device=self.device)
+        self.part_lse = torch.empty((slots, self.stride), dtype=torch.float32,
+                                    device=self.device)
+        self.grid = (self.row_blocks, self.programs, 1)
+        self.merge_grid = (self.row_blocks, self.batch, MERGE_CHUNKS.value)
+        if self._raw is not None:
+            self._build_raw()
+
+    def prepare(self, sc_stride: int = 0) -> None:
+        """Compile both kernels (loaded from Triton's cache when compiled ahead), choose the
+        program count, and build the C launchers' fixed arguments."""
+        if self.upcast:
+            return
+        launches = kernel_launches(self.cfg, heads=self.heads, paged=self.paged_flag,
+                                   merge=True, target=self.target, sc_stride=sc_stride,
+                                   sched=self.sched, batch_p2=self.batch_p2)
+        compiled = [fn.warmup(*args, grid=(1, 1, 1), **kwargs) for fn, args, kwargs in launches]
+        for k in compiled:
+            k.run  # noqa: B018 - loads the module and creates the launcher
+        self._compiled = compiled
+        props = torch.cuda.get_device_properties(self.device)
+        self.slots = props.multi_processor_count * _ctas_per_sm(compiled[0],
+                                                                self.cfg.num_warps, props)
+        """Programs the device holds at once (SMs x resident CTAs of the split kernel)."""
+        self.set_programs(self._wanted_programs())
+        self._build_raw()
+
+    def _build_raw(self) -> None:
+        from triton.runtime import driver
+
+        k1 = self._compiled[0]
+        md = k1.metadata
+        scratch = None
+        if md.global_scratch_size > 0:
+            size = self.grid[0] * self.grid[1] * self.grid[2] * md.num_ctas * \
+                md.global_scratch_size
+            if self.scratch.numel() < size:
+                self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
+            scratch = self.scratch.data_ptr()
+        g = self.grid
+        self._stream = driver.active.get_current_stream
+        self._dev = driver.active.get_current_device()
+        self._head1 = (g[0], g[1], g[2])
+        self._fix1 = (k1.function, md.launch_cooperative_grid, md.launch_pdl, scratch, None,
+                      k1.packed_metadata, None, None, None)
+        self._mid1 = (self.page_shift, self.out.data_ptr(), self.part_o.data_ptr(),
+                      self.part_lse.data_ptr(), self.counters.data_ptr(), self.heads,
+                      self.stride, self.programs, self.qk_scale, self.fast)
+        self._tail1 = tuple(self.constexprs.values()) + (self.batch, self.seg_cost)
+        merge = None
+        if self.separate_merge:
+            k2 = self._compiled[1]
+            m2 = k2.metadata
+            mg = self.merge_grid
+            merge = (_c_launch(k2.run), (mg[0], mg[1], mg[2]),
+                     (k2.function, m2.launch_cooperative_grid, m2.launch_pdl, None, None,
+                      k2.packed_metadata, None, None, None),
+                     (self.part_o.data_ptr(), self.part_lse.data_ptr(), self.out.data_ptr(),
+                      self.heads, self.stride, self.programs, self.cfg.block_m,
+                      self.cfg.block_n, self.merge_opts["PDL"], self.sched, self.batch_p2,
+                      self.batch, self.seg_cost))
+        self._raw = (_c_launch(k1.run), merge)
+        self.launch_ptrs = self._launch_ptrs
+
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
+                 kv_sc: torch.Tensor | None, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+                 page_indptr: torch.Tensor | None = None,
+                 page_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the variant. SCHED_TOKENS: `kv` the contiguous cache ((N, 1, 576) bf16/fp8,
+        (N, 1, 288) uint8 MXFP4), `kv_indptr` cumulative tokens. SCHED_PAGED: `kv` the pool
+        ((pages, page_size, 576) or (pages, page_size, 288)), `kv_indptr` the lengths,
+        `page_indptr`/`page_idx` the page table (int32). `kv_scale`: fp8 scale (1,);
+        `kv_sc`: MXFP4 scale rows."""
+        if kv_sc is None:
+            kv_sc, sc_stride = self.dummy_u8, 0
+        else:
+            sc_stride = kv_sc.stride(0)
+        scale = self.dummy_f32 if kv_scale is None else kv_scale
+        if page_indptr is None:
+            page_indptr = page_idx = self.dummy_i32
+        if self._raw is None:
+            return self._call_jit(q, kv, scale, kv_sc, sc_stride, qo_indptr, kv_indptr,
+                                  page_indptr, page_idx)
+        ptrs = (q.data_ptr(), kv.data_ptr(), scale.data_ptr(), kv_sc.data_ptr(),
+                qo_indptr.data_ptr(), kv_indptr.data_ptr(), page_idx.data_ptr(),
+                page_indptr.data_ptr())
+        if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5] | ptrs[6] | ptrs[7]) & 15:
+            raise ValueError("every tensor of a call must be 16-byte aligned (the kernels are "
+                             "compiled for it); got addresses "
+                             + ", ".join(f"{p:#x}" for p in ptrs))
+        return self._launch_ptrs(ptrs[0], ptrs[1], ptrs[2], ptrs[3], sc_stride, ptrs[4],
+                                 ptrs[5], ptrs[6], ptrs[7])
+
+    def _launch_ptrs(self, q: int, kv: int, scale: int, sc: int, sc_stride: int, qo: int,
+                     kvp: int, page_idx: int, page_indptr: int) -> torch.Tensor:
+        """The launch(es) of one call from its pointers (16-byte aligned, unchecked); the
+        dummies' pointers where a call has no scale, scales or page table
+        (`dummy_ptrs`)."""
+        launch, merge = self._raw  # type: ignore[misc]
+        stream = self._stream(self._dev)
+        launch(*self._head1, stream, *self._fix1, q, kv, kv, kv, scale, sc, sc_stride, qo, kvp,
+               page_idx, page_indptr, *self._mid1, *self._tail1)
+        if merge is not None:
+            launch2, head2, fix2, rest2 = merge
+            launch2(*head2, stream, *fix2, qo, kvp, *rest2)
+        return self.out
+
+    @property
+    def dummy_ptrs(self) -> tuple[int, int, int]:
+        """(fp8 scale, MXFP4 scales, page table) pointers of calls without them."""
+        return self.dummy_f32.data_ptr(), self.dummy_u8.data_ptr(), self.dummy_i32.data_ptr()
+
+    def _call_jit(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor,
+                  sc: torch.Tensor, sc_stride: int, qo: torch.Tensor, kvp: torch.Tensor,
+                  page_indptr: torch.Tensor, page_idx: torch.Tensor) -> torch.Tensor:
+        """The Triton launch path (the interpreter)."""
+        c = self.cfg
+        token = _allocation._allocator.set(self._scratch_for) if self.kernel_desc else None
+        try:
+            mla_decode_kernel[self.grid](
+                q, kv, kv, kv, scale, sc, sc_stride, qo, kvp, page_idx, page_indptr,
+                self.page_shift, self.out, self.part_o, self.part_lse, self.counters,
+                self.heads, self.stride, self.programs, self.qk_scale, self.fast,
+                **self.constexprs, batch=self.batch, seg_cost=self.seg_cost,
+                num_warps=c.num_warps, num_stages=c.num_stages)
+            if self.separate_merge:
+                mla_merge_kernel[self.merge_grid](qo, kvp, self.part_o, self.part_lse,
+                                                  self.out, self.heads, self.stride,
+                                                  self.programs, batch=self.batch,
+                                                  seg_cost=self.seg_cost, **self.merge_opts)
+        finally:
+            if token is not None:
+                _allocation._allocator.reset(token)
+        return self.out
+
+    def _scratch_for(self, size: int, alignment: int, stream: int | None) -> torch.Tensor:
+        """Triton's allocator protocol, for device-made descriptors' scratch (the Triton
+        launch path)."""
+        if self.scratch.numel() < size:
+            self.scratch = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return self.scratch

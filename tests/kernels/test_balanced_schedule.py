@@ -1,0 +1,209 @@
+"""The balanced schedules of the Triton family (SCHED_TOKENS over a contiguous cache,
+SCHED_PAGED over FlashInfer's paged metadata) against the float32 reference, through the
+Triton interpreter in a child process (this file run as a script): ragged batches, few and
+many programs (runs crossing sequences, sequences crossing runs, idle programs), both
+merges (fused, separate, separate with lazy rescaling), per-sequence setup costs, q_len 1
+and 4, all three formats, shuffled page pools whose unused slots hold NaN."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+pytest.importorskip("triton")
+
+# name: (format, lengths, q_len, page size (0: contiguous), launcher options, kernel config)
+CASES: dict[str, tuple[str, tuple[int, ...], int, int, dict[str, Any], dict[str, Any]]] = {
+    "tokens_bf16_3progs_merge": ("bf16", (37, 300, 5, 130), 1, 0, dict(programs=3),
+                                 dict(block_n=32)),
+    "tokens_bf16_3progs_fused": ("bf16", (37, 300, 5, 130), 1, 0, dict(programs=3),
+                                 dict(block_n=32, fast_mode=True)),
+    "tokens_bf16_lazy_separate_merge": ("bf16", (37, 300, 5, 130), 1, 0,
+                                        dict(programs=5, merge="separate"),
+                                        dict(block_n=32, fast_mode=True)),
+    "tokens_bf16_1prog": ("bf16", (37, 300, 5, 130), 1, 0, dict(programs=1),
+                          dict(block_n=32)),
+    "tokens_bf16_idle_progs_no_seg_cost": ("bf16", (20, 9), 1, 0,
+                                           dict(programs=40, seg_cost=0), dict(block_n=16)),
+    "tokens_bf16_q4_tma_seg_cost3": ("bf16", (37, 200, 9), 4, 0,
+                                     dict(programs=5, seg_cost=3),
+                                     dict(block_n=32, kv_load="tma")),
+    "tokens_bf16_batch40": ("bf16", tuple(5 + 7 * i for i in range(40)), 1, 0,
+                            dict(programs=7), dict(block_n=16, fast_mode=True)),
+    "tokens_fp8_fp8_tma": ("fp8", (60, 250, 17), 1, 0, dict(programs=4),
+                           dict(compute="fp8", block_n=64, kv_load="tma")),
+    "tokens_fp8_fp16_fused_q4": ("fp8", (60, 150), 4, 0, dict(programs=3),
+                                 dict(compute="fp16", block_n=32, fast_mode=True)),
+    "tokens_mxfp4": ("mxfp4", (70, 200, 12), 1, 0, dict(programs=4), dict(block_n=32)),
+    "paged_bf16_p1": ("bf16", (37, 300, 5, 130), 1, 1, dict(programs=4), dict(block_n=32)),
+    "paged_bf16_p64_fused": ("bf16", (37, 300, 5, 130), 1, 64, dict(programs=4),
+                             dict(block_n=32, fast_mode=True)),
+    "paged_bf16_p16_q4_fused": ("bf16", (40, 180, 19), 4, 16, dict(programs=5),
+                                dict(block_n=32, fast_mode=True)),
+    "paged_fp8_fp8_p64_q4": ("fp8", (60, 250, 17), 4, 64, dict(programs=3),
+                             dict(compute="fp8", block_n=64, kv_load="tma_host")),
+    "paged_fp8_bf16_p16": ("fp8", (60, 150, 33), 1, 16, dict(programs=4),
+                           dict(compute="bf16", block_n=32)),
+    "paged_mxfp4_p16_q4": ("mxfp4", (70, 120, 12), 4, 16, dict(programs=3),
+                           dict(block_n=32)),
+}
+BOUND = {"bf16": 0.02, "mxfp4": 0.02}
+"""Max abs error per format; fp8 cases by compute path (e4m3 Q and P: 0.08)."""
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return {r["name"]: r for r in rows}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_balanced_schedule_matches_reference(results: dict[str, dict], name: str) -> None:
+    fmt, _, _, page, _, cfg = CASES[name]
+    r = results[name]
+    assert r["finite"], r  # paged: NaN in every unused slot of the pool is never read
+    bound = BOUND.get(fmt) or (0.08 if cfg.get("compute") == "fp8" else 0.02)
+    assert r["err"] <= bound, r
+    if page:
+        assert r["tma"] == 0, r  # paged reads are pointer loads, whatever the config says
+
+
+def test_a_launcher_serves_other_lengths_of_its_batch(results: dict[str, dict]) -> None:
+    r = results["second_call_other_lengths"]
+    assert r["err"] <= 0.02 and r["finite"], r
+
+
+def test_merge_mode_follows_the_partials_per_sequence() -> None:
+    """Fused (with the config's fast_mode) while a sequence has few partials on average,
+    the second-launch merge beyond (FUSED_MAX_PARTIALS); an explicit mode wins."""
+    from kernels.triton.mla_decode import FUSED_MAX_PARTIALS, BalancedLauncher, KernelConfig
+
+    def mode(fast: bool, programs: int, batch: int, merge: str | None = None) -> str:
+        return BalancedLauncher(KernelConfig(fast_mode=fast), heads=16, q_len=1, batch=batch,
+                                device="cpu", sched=1, programs=programs, merge=merge).merge
+
+    assert mode(True, 3 * 8, 8) == "fused"  # (24 + 8) / 8 = 4 partials per sequence
+    assert mode(True, FUSED_MAX_PARTIALS * 8, 8) == "separate"
+    assert mode(False, 3, 8) == "separate"
+    assert mode(True, 64, 2, merge="fused") == "fused"
+    launcher = BalancedLauncher(KernelConfig(fast_mode=True), heads=16, q_len=1, batch=8,
+                                device="cpu", sched=1, programs=8)
+    launcher.set_programs(64)  # a runtime change of the program count re-decides
+    assert launcher.merge == "separate" and launcher.fast == 2
+
+
+def test_bad_schedule_arguments_are_refused() -> None:
+    from kernels.triton.mla_decode import BalancedLauncher, KernelConfig
+
+    with pytest.raises(ValueError, match="sched must be"):
+        BalancedLauncher(KernelConfig(), heads=16, q_len=1, batch=2, device="cpu", sched=0)
+    with pytest.raises(ValueError, match="power of two"):
+        BalancedLauncher(KernelConfig(), heads=16, q_len=1, batch=2, device="cpu", sched=2,
+                         page_size=24)
+    with pytest.raises(ValueError, match="merge must be"):
+        BalancedLauncher(KernelConfig(), heads=16, q_len=1, batch=2, device="cpu", sched=1,
+                         merge="tree")
+
+
+# -- the interpreter child ---------------------------------------------------------------
+
+
+def _pool(vals: Any, aux: Any, fmt: str, lens: tuple[int, ...], page: int, seed: int
+          ) -> tuple[Any, Any, Any, Any]:
+    """The contiguous cache copied into pages at shuffled pool positions, every unused
+    slot NaN (bf16/fp8) so a tile read past a sequence's end would show; (values, aux,
+    page indices, page indptr)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    n_pages = [-(-L // page) for L in lens]
+    total = sum(n_pages) + 2
+    perm = torch.randperm(total, generator=g).tolist()
+    width = vals.shape[-1]
+    if fmt == "mxfp4":
+        flat = torch.zeros((total * page, width), dtype=vals.dtype)
+        sc = torch.full((total * page, 24), 127, dtype=torch.uint8)
+    else:
+        flat = torch.full((total * page, width), float("nan")).to(vals.dtype)
+        sc = None
+    idx, indptr, start, k = [], [0], 0, 0
+    for L, n in zip(lens, n_pages):
+        for j in range(n):
+            p = perm[k]
+            k += 1
+            idx.append(p)
+            r0, r1 = start + j * page, start + min(L, (j + 1) * page)
+            flat[p * page: p * page + r1 - r0] = vals[r0:r1].reshape(r1 - r0, width)
+            if sc is not None:
+                sc[p * page: p * page + r1 - r0, :aux.shape[1]] = aux[r0:r1]
+        start += L
+        indptr.append(len(idx))
+    out_aux = aux if fmt == "fp8" else sc
+    return (flat.view(total, page, width), out_aux, torch.tensor(idx, dtype=torch.int32),
+            torch.tensor(indptr, dtype=torch.int32))
+
+
+def _run_case(name: str, fmt: str, lens: tuple[int, ...], q_len: int, page: int,
+              options: dict[str, Any], cfg: dict[str, Any], seed: int, launcher: Any = None
+              ) -> tuple[dict, Any]:
+    import torch
+
+    from kernels.triton.mla_decode import (
+        SCHED_PAGED,
+        SCHED_TOKENS,
+        BalancedLauncher,
+        KernelConfig,
+    )
+    from mla_tune.problem import Shape, generate_input
+    from mla_tune.reference import mla_decode_reference
+
+    q, kv_data, qo, kvp, config = generate_input(Shape(len(lens), lens, q_len=q_len),
+                                                 seed=seed)
+    ref = mla_decode_reference(q, kv_data, qo, kvp, config, kv_format=fmt)
+    e = kv_data[fmt]
+    vals, aux = (e, None) if fmt == "bf16" else e
+    if launcher is None:
+        launcher = BalancedLauncher(KernelConfig(kv_format=fmt, **cfg), heads=16, q_len=q_len,
+                                    batch=len(lens), device="cpu",
+                                    sched=SCHED_PAGED if page else SCHED_TOKENS,
+                                    page_size=max(page, 1), **options)
+    scale = aux if fmt == "fp8" else None
+    if page:
+        pool, paux, idx, ptr = _pool(vals, aux, fmt, lens, page, seed)
+        out = launcher(q, pool, scale, paux if fmt == "mxfp4" else None, qo,
+                       torch.tensor(lens, dtype=torch.int32), ptr, idx)
+    else:
+        out = launcher(q, vals, scale, aux if fmt == "mxfp4" else None, qo, kvp)
+    out = out.float()
+    return ({"name": name, "err": float((out - ref).abs().max()),
+             "finite": bool(torch.isfinite(out).all()), "tma": launcher.constexprs["TMA"]},
+            launcher)
+
+
+def _child() -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1")
+    for name, (fmt, lens, q_len, page, options, cfg) in CASES.items():
+        row, launcher = _run_case(name, fmt, lens, q_len, page, options, cfg, seed=3)
+        print(json.dumps(row), flush=True)
+        if name == "paged_bf16_p64_fused":
+            # The same launcher (buffers sized for its batch) on the next lengths.
+            row, _ = _run_case("second_call_other_lengths", fmt, (200, 11, 64, 301), q_len,
+                               page, options, cfg, seed=4, launcher=launcher)
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    _child()
