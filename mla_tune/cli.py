@@ -93,9 +93,9 @@ def _formats(values: Sequence[str]) -> list[KVFormat]:
 
 
 def _default_device() -> str:
-    import torch
+    from mla_tune.sweep_devices import default_device
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return default_device()
 
 
 def _open_store(db: str | None, *, read_only: bool = False) -> Any:
@@ -266,27 +266,12 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def _sweep_devices(dev: str, gpus: str | None) -> tuple[str, ...]:
-    """One entry per worker process: `cuda:i` for each GPU asked for, else the device."""
-    if dev not in ("cpu", "cuda") and not dev.startswith("cuda:"):
-        fail(f"unknown device {dev!r}; use cpu, cuda or cuda:N")
-    if dev == "cpu":
-        if gpus is not None:
-            fail("--gpus needs --device cuda; a CPU sweep runs one worker process")
-        return ("cpu",)
-    import torch
+    from mla_tune.sweep_devices import DeviceChoiceError, sweep_devices
 
-    if not torch.cuda.is_available():
-        fail("--device cuda was asked for but torch sees no GPU; use --device cpu")
-    count = torch.cuda.device_count()
-    if gpus is None:
-        return (dev if ":" in dev else "cuda:0",)
-    if ":" in dev:
-        fail(f"--gpus takes GPUs 0..N-1; drop --device {dev} or --gpus")
-    if gpus.strip().lower() == "all":
-        return tuple(f"cuda:{i}" for i in range(count))
-    if not gpus.strip().isdigit() or not 1 <= int(gpus) <= count:
-        fail(f"--gpus must be a number from 1 to {count} (GPUs seen) or all, got {gpus!r}")
-    return tuple(f"cuda:{i}" for i in range(int(gpus)))
+    try:
+        return sweep_devices(dev, gpus)
+    except DeviceChoiceError as exc:
+        fail(str(exc))
 
 
 def _print_plan(shapes: Sequence[Shape], backends: Sequence[Any], device: str,
@@ -294,29 +279,18 @@ def _print_plan(shapes: Sequence[Shape], backends: Sequence[Any], device: str,
     """What a sweep would measure: feasible candidates per shape and backend."""
     import torch
 
-    dev = torch.device(device)
+    from mla_tune.sweep_plan import plan_sweep
+
+    plan = plan_sweep(shapes, backends, torch.device(device), pins)
     table = Table(title=f"sweep plan on {device}")
-    for col in ("shape", *(b.name for b in backends)):
+    for col in ("shape", *plan.backends):
         table.add_column(col)
-    reasons = {b.name: b.available(dev) for b in backends}
-    total = 0
-    for shape in shapes:
-        cells = []
-        for b in backends:
-            why = None if reasons[b.name] else "unavailable"
-            why = why or b.supports(shape)
-            if why:
-                cells.append("-")
-                continue
-            n = len(b.candidates(shape, dev, pins.get(b.name)))
-            total += n
-            cells.append(str(n))
-        table.add_row(shape.label(), *cells)
+    for shape, counts in plan.rows:
+        table.add_row(shape.label(), *("-" if n is None else str(n) for n in counts))
     out.print(table)
-    out.print(f"{total} candidates in all")
-    for name, avail in reasons.items():
-        if not avail:
-            console.print(f"skipped {name}: {avail.reason}", highlight=False)
+    out.print(f"{plan.total} candidates in all")
+    for name, reason in plan.skipped.items():
+        console.print(f"skipped {name}: {reason}", highlight=False)
 
 
 def _print_winners(results: Sequence[Any]) -> None:
@@ -370,7 +344,7 @@ def report(
 ) -> None:
     """Winners with time, bandwidth vs the device's measured ceiling, and speedups. The
     table fits 80 columns: pick others with --columns, see configs with --configs."""
-    from mla_tune.report import DEFAULT_COLUMNS, parse_columns, shape_matcher
+    from mla_tune.report import DEFAULT_COLUMNS, markdown_report, parse_columns, shape_matcher
     from mla_tune.report_html import (
         MissingDependencyError,
         require_matplotlib,
@@ -433,7 +407,7 @@ def report(
                       highlight=False)
         return
     if fmt == "markdown":
-        sys.stdout.write(_markdown_report(rows, suite_list, cols + ["config"] * configs))
+        sys.stdout.write(markdown_report(rows, suite_list, cols + ["config"] * configs))
         return
     _print_report(rows, suite_list, cols, configs, out)
 
@@ -489,63 +463,6 @@ def _report_rows(store: Any, wanted: Any, shape: str | None, software: str | Non
     return match
 
 
-def _summary_lines(rows: Sequence[Any], suite: Sequence[Shape] | None,
-                   group: tuple[str, str] | None = None) -> list[str]:
-    """Baselines per stack and the geomean lines of `rows` (of one device and stack when
-    `group` is given), as plain text."""
-    from mla_tune.report import baseline_sources, suite_summaries
-
-    lines = []
-    for (device, sw), counts in baseline_sources(rows).items():
-        if group is not None and (device, sw) != group:
-            continue
-        current = sum(1 for r in rows if not r.superseded and (r.device, r.software_hash)
-                      == (device, sw))
-        have = ", ".join(f"{b} at {n}" for b, n in counts.most_common()) or "none"
-        lines.append(f"baselines timed in stack {sw[:8]} on {device}: {have} of {current} "
-                     "current winners (a baseline is always of the winner's own stack)")
-    for s in suite_summaries(rows, suite):
-        if group is not None and (s.device, s.software_hash) != group:
-            continue
-        where = f"{s.kv_format} on {s.device} (stack {s.software_hash[:8]})"
-        if s.geomean_us is None:
-            if s.superseded:
-                lines.append(f"geometric mean {where}: no current winners ({s.superseded} "
-                             "superseded winners left out)")
-            continue
-        extra = "".join(f", {t}" for t in s.speedup_texts())
-        missing = f" ({s.missing} suite shapes missing)" if s.missing else ""
-        stale = f" ({s.superseded} superseded winners left out)" if s.superseded else ""
-        lines.append(f"geometric mean {where}: {s.geomean_us:.1f} µs over {s.shapes} shapes"
-                     f"{extra}{missing}{stale}")
-    return lines
-
-
-def _notes(rows: Sequence[Any]) -> list[str]:
-    """What the table's marks mean, for the marks it shows."""
-    notes = []
-    if any(r.superseded for r in rows):
-        notes.append("* superseded: its backend's kernel sources were measured in a newer "
-                     "version since; left out of geomeans (--hide-superseded hides them)")
-    high = [r for r in rows if r.above_ceiling]
-    if high:
-        notes.append(f"! {len(high)} winner(s) read faster than their device's stored read "
-                     "ceiling, shown unclamped: that ceiling was measured too low "
-                     "(bench/read_ceiling.py measures it as sweeps now do)")
-    return notes
-
-
-def _markdown_report(rows: Sequence[Any], suite: Sequence[Shape] | None,
-                     columns: Sequence[str]) -> str:
-    from mla_tune.report import markdown_table
-
-    multi = len({(r.device, r.software_hash) for r in rows}) > 1
-    cols = ([c for c in ("device", "stack") if c not in columns] if multi else []) + list(columns)
-    lines = [markdown_table(rows, cols), ""]
-    lines += [f"- {n}" for n in _notes(rows) + _summary_lines(rows, suite)]
-    return "\n".join(lines) + "\n"
-
-
 def _print_report(rows: Sequence[Any], suite: Sequence[Shape] | None,
                   columns: Sequence[str], configs: bool, to: Console) -> None:
     """One table per device and stack (its title names them), the marks explained, and its
@@ -553,7 +470,7 @@ def _print_report(rows: Sequence[Any], suite: Sequence[Shape] | None,
     from rich import box
     from rich.text import Text
 
-    from mla_tune.report import COLUMNS, config_text
+    from mla_tune.report import COLUMNS, config_text, summary_lines, table_notes
 
     groups: dict[tuple[str, str], list[Any]] = {}
     for r in rows:
@@ -568,7 +485,7 @@ def _print_report(rows: Sequence[Any], suite: Sequence[Shape] | None,
         for r in group:
             table.add_row(*(Text(COLUMNS[name].cell(r)) for name in columns))
         to.print(table)
-        for line in _notes(group) + _summary_lines(rows, suite, (device, sw)):
+        for line in table_notes(group) + summary_lines(rows, suite, (device, sw)):
             to.print(line, markup=False, highlight=False, emoji=False, soft_wrap=False)
         if configs:
             to.print("configs:", highlight=False)
@@ -627,13 +544,12 @@ def _stale_and_retired_trials(db: str | None) -> tuple[int, int]:
     the DB cannot be read)."""
     from mla_tune.backends import source_hash_pairs
     from mla_tune.db import DBError, TuningStore
-    from mla_tune.prune import retired_trials
-    from mla_tune.rehash import find
+    from mla_tune.prune import retired_trials, unrenamed_trials
 
     pairs = source_hash_pairs()
     try:
         with TuningStore(db, read_only=True) as store:
-            return (sum(r.trials for r in find(store, pairs)),
+            return (unrenamed_trials(store, pairs),
                     retired_trials(store, {b: new for b, (_, new) in pairs.items()}))
     except DBError:
         return 0, 0
@@ -647,14 +563,15 @@ def _diff_side(ref: str, db: str | None) -> Any:
     from mla_tune.diff import DiffSide
 
     if _STACK_HASH.fullmatch(ref) and not Path(ref).exists():
+        from mla_tune.fingerprint import resolve_hash_prefix
+
         store = _open_store(db, read_only=True)
-        known = sorted({w.software.hash for w in store.winners()})
-        match = [h for h in known if h.startswith(ref)]
-        if len(match) != 1:
-            what = "no software stack" if not match else "more than one software stack"
-            fail(f"{what} with hash {ref!r} in {store.url}; stacks with winners there: "
-                 f"{', '.join(known) or '(none)'}")
-        return DiffSide.load(store, f"stack {match[0][:8]}", match[0])
+        try:
+            stack = resolve_hash_prefix(ref, [w.software.hash for w in store.winners()],
+                                        "software stack")
+        except ValueError as exc:
+            fail(f"{exc} (stacks with winners in {store.url})")
+        return DiffSide.load(store, f"stack {stack[:8]}", stack)
     if "://" not in ref and not Path(ref).is_file():
         fail(f"{ref!r} is neither a tuning DB file nor a software stack hash of --db; give a "
              "DB path or URL, or a hash from `mla-tune report --format json`")
@@ -765,12 +682,13 @@ def export_cmd(
     store = _open_store(db, read_only=True)
     device_hash = None
     if device is not None:
-        known = [d.hash for d in store.devices()]
-        match = [h for h in known if h.startswith(device)]
-        if len(match) != 1:
-            fail(f"no single device with hash {device!r} in {store.url}; devices: "
-                 f"{', '.join(known) or '(none)'}")
-        device_hash = match[0]
+        from mla_tune.fingerprint import resolve_hash_prefix
+
+        try:
+            device_hash = resolve_hash_prefix(device, [d.hash for d in store.devices()],
+                                              "device")
+        except ValueError as exc:
+            fail(f"{exc} (in {store.url})")
     if submission is not None:
         from mla_tune.export_submission import SubmissionError, write_submission
 
@@ -816,13 +734,13 @@ def prune(
     """Delete trials, queued work and search studies of retired kernel sources (neither this
     checkout's nor the newest measured); winners and the trials they name stay."""
     from mla_tune.backends import source_hash_pairs
-    from mla_tune.prune import find_retired
+    from mla_tune.db import sqlite_file_size
+    from mla_tune.prune import find_retired, unrenamed_trials
     from mla_tune.prune import prune as prune_sources
-    from mla_tune.rehash import find
 
     store = _existing_store(db)
     pairs = source_hash_pairs()
-    stale = sum(r.trials for r in find(store, pairs))
+    stale = unrenamed_trials(store, pairs)
     if stale:
         fail(f"{stale} stored trials in {store.url} are of this checkout's kernel code under "
              "its old (bytes) source hash; run `mla-tune rehash --yes` first, so prune keeps "
@@ -839,9 +757,9 @@ def prune(
     if not yes:
         console.print("nothing deleted: run again with --yes to delete these")
         return
-    size = _db_file_size(store)
+    size = sqlite_file_size(store.url)
     done = prune_sources(store, retired)
-    after = _db_file_size(store)
+    after = sqlite_file_size(store.url)
     shrink = f"; file {size / 1e6:.1f} -> {after / 1e6:.1f} MB" if size and after else ""
     console.print(f"deleted {done.rows.trials} trials, {done.rows.claims} queued claims and "
                   f"{done.studies} studies; kept {done.rows.kept_for_winners} trials that "
@@ -853,6 +771,7 @@ def rehash(
     db: str | None = typer.Option(None, help=DB_HELP),
     yes: bool = typer.Option(False, "--yes", help="Rename them; without it, only list them."),
     from_git: str | None = typer.Option(None, "--from-git", help="Instead: results of the same files as they were at this git revision (e.g. HEAD~3), after a change that keeps what every stored variant runs (a move, rewritten imports, a refactor); say why in the commit."),
+    source: list[str] = typer.Option([], "--source", help="Instead: BACKEND=HASH, results stored under that source hash (e.g. before a file joined the family's hashed sources), when that change keeps what every stored variant runs; repeatable; say why in the commit."),
 ) -> None:
     """Give results stored under the old bytes hash of this checkout's kernel sources the
     current (code-only) hash, so they count as current again."""
@@ -861,7 +780,19 @@ def rehash(
     from mla_tune.rehash import rehash as rehash_sources
     from mla_tune.source_hash import hash_named_sources
 
-    if from_git is not None:
+    if from_git is not None and source:
+        fail("give --from-git or --source, not both")
+    if source:
+        current = source_hashes()
+        pairs = {}
+        for item in source:
+            backend, _, old = item.partition("=")
+            if backend not in current or not old.strip():
+                fail(f"--source {item!r}: expected BACKEND=HASH with a backend loadable here "
+                     f"({', '.join(current)})")
+            pairs[backend] = (old.strip(), current[backend])
+        old_name = "the source hash given"
+    elif from_git is not None:
         try:
             pairs = git_hash_pairs(from_git, source_files(), hash_named_sources,
                                    source_hashes())
@@ -905,17 +836,6 @@ def _listing(title: str, columns: tuple[str, ...], rows: list[tuple[Any, ...]]) 
     for r in rows:
         table.add_row(*(str(v) for v in r))
     return table
-
-
-def _db_file_size(store: Any) -> int | None:
-    """Size of a SQLite DB file, None for a server DB."""
-    from sqlalchemy import make_url
-
-    url = make_url(store.url)
-    if url.get_backend_name() != "sqlite" or not url.database:
-        return None
-    path = Path(url.database)
-    return path.stat().st_size if path.is_file() else None
 
 
 def main() -> None:

@@ -166,3 +166,14 @@ def software_diff(a: SoftwareFingerprint,
     da, db = a.as_dict(), b.as_dict()
     return {p: (da.get(p), db.get(p)) for p in sorted(da.keys() | db.keys())
             if da.get(p) != db.get(p)}
+
+
+def resolve_hash_prefix(prefix: str, known: list[str], what: str) -> str:
+    """The one hash of `known` starting with `prefix` (a device or software stack named by
+    a prefix, as reports print them); ValueError naming the known ones otherwise."""
+    match = sorted({h for h in known if h.startswith(prefix)})
+    if len(match) != 1:
+        which = f"no {what}" if not match else f"more than one {what}"
+        raise ValueError(f"{which} with hash {prefix!r}; {what}s: "
+                         f"{', '.join(sorted(set(known))) or '(none)'}")
+    return match[0]

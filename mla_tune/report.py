@@ -480,3 +480,56 @@ def shape_matcher(text: str) -> Callable[[Shape], bool]:
 _KEY_RE = re.compile(r"b\d+-q\d+-kvr?\d+(-[0-9a-f]+)?-h\d+-[a-z0-9]+-p\d+")
 _SIZE_RE = re.compile(r"(\d+)[xX](~?\d+r?)")
 _QUAL_RE = re.compile(r"([hqp])(\d+)")
+
+
+def summary_lines(rows: Sequence[Any], suite: Sequence[Shape] | None,
+                   group: tuple[str, str] | None = None) -> list[str]:
+    """Baselines per stack and the geomean lines of `rows` (of one device and stack when
+    `group` is given), as plain text."""
+    lines = []
+    for (device, sw), counts in baseline_sources(rows).items():
+        if group is not None and (device, sw) != group:
+            continue
+        current = sum(1 for r in rows if not r.superseded and (r.device, r.software_hash)
+                      == (device, sw))
+        have = ", ".join(f"{b} at {n}" for b, n in counts.most_common()) or "none"
+        lines.append(f"baselines timed in stack {sw[:8]} on {device}: {have} of {current} "
+                     "current winners (a baseline is always of the winner's own stack)")
+    for s in suite_summaries(rows, suite):
+        if group is not None and (s.device, s.software_hash) != group:
+            continue
+        where = f"{s.kv_format} on {s.device} (stack {s.software_hash[:8]})"
+        if s.geomean_us is None:
+            if s.superseded:
+                lines.append(f"geometric mean {where}: no current winners ({s.superseded} "
+                             "superseded winners left out)")
+            continue
+        extra = "".join(f", {t}" for t in s.speedup_texts())
+        missing = f" ({s.missing} suite shapes missing)" if s.missing else ""
+        stale = f" ({s.superseded} superseded winners left out)" if s.superseded else ""
+        lines.append(f"geometric mean {where}: {s.geomean_us:.1f} µs over {s.shapes} shapes"
+                     f"{extra}{missing}{stale}")
+    return lines
+
+
+def table_notes(rows: Sequence[Any]) -> list[str]:
+    """What the table's marks mean, for the marks it shows."""
+    notes = []
+    if any(r.superseded for r in rows):
+        notes.append("* superseded: its backend's kernel sources were measured in a newer "
+                     "version since; left out of geomeans (--hide-superseded hides them)")
+    high = [r for r in rows if r.above_ceiling]
+    if high:
+        notes.append(f"! {len(high)} winner(s) read faster than their device's stored read "
+                     "ceiling, shown unclamped: that ceiling was measured too low "
+                     "(bench/read_ceiling.py measures it as sweeps now do)")
+    return notes
+
+
+def markdown_report(rows: Sequence[Any], suite: Sequence[Shape] | None,
+                     columns: Sequence[str]) -> str:
+    multi = len({(r.device, r.software_hash) for r in rows}) > 1
+    cols = ([c for c in ("device", "stack") if c not in columns] if multi else []) + list(columns)
+    lines = [markdown_table(rows, cols), ""]
+    lines += [f"- {n}" for n in table_notes(rows) + summary_lines(rows, suite)]
+    return "\n".join(lines) + "\n"

@@ -57,7 +57,7 @@ def test_export_one_device_by_hash_prefix(db, tmp_path):
     _ok(["export", "--db", db, "--out", str(out), "--device", device.hash[:6]])
     assert len(json.loads(out.read_text())["winners"]) == len(SHAPES)
     r = runner.invoke(app, ["export", "--db", db, "--out", str(out), "--device", "ffff"])
-    assert r.exit_code == 2 and "no single device" in r.output
+    assert r.exit_code == 2 and "no device with hash 'ffff'" in r.output
 
 
 def test_bad_input_is_refused_before_any_db_is_touched(db, tmp_path):

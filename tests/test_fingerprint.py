@@ -95,3 +95,18 @@ def test_software_diff_names_differing_packages():
                              ("flashinfer", "0.3")))
     assert software_diff(a, a) == {}
     assert software_diff(a, b) == {"aiter": ("1", "2"), "flashinfer": (None, "0.3")}
+
+
+def test_a_hash_prefix_names_one_known_hash_or_says_which_exist() -> None:
+    import pytest
+
+    from mla_tune.fingerprint import resolve_hash_prefix
+
+    known = ["abc123", "abd999", "abc123"]
+    assert resolve_hash_prefix("abd", known, "device") == "abd999"
+    assert resolve_hash_prefix("abc", known, "device") == "abc123"  # one hash, seen twice
+    with pytest.raises(ValueError, match="more than one device with hash 'ab'"):
+        resolve_hash_prefix("ab", known, "device")
+    with pytest.raises(ValueError, match="no software stack with hash 'ff'; software stacks: "
+                                         "abc123, abd999"):
+        resolve_hash_prefix("ff", known, "software stack")

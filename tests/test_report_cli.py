@@ -13,9 +13,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from mla_tune.cli import _print_report, _summary_lines, app
-from mla_tune.db import TuningStore
-from mla_tune.db.store import shipped_db_path
+from mla_tune.cli import _print_report, app
+from mla_tune.report import summary_lines
+from mla_tune.db import TrialGroup, TrialResult, TuningStore, shipped_db_path
 from mla_tune.report import DEFAULT_COLUMNS, report_rows, suite_summaries
 from tests.db.faults import overwrite_pages
 from tests.fixtures.sweep_db import SHAPES, swept_db
@@ -86,10 +86,10 @@ def test_markdown_format(db):
 def test_hide_superseded(db):
     with TuningStore(db) as store:
         t = store.trials(shape_key=SHAPES[0].key)[0]
-        store.record_trial(device_id=t.device_id, software_id=t.software_id,
-                           shape_key=t.shape_key, shape_json=t.shape_json,
-                           kv_format=t.kv_format, backend=t.backend, source_hash="f" * 16,
-                           config=t.config, status="ok", stats={"median_us": 1.0})
+        store.record_trial(TrialGroup(t.device_id, t.software_id, t.shape_key, t.backend,
+                                      "f" * 16),
+                           TrialResult(t.shape_json, t.kv_format, t.config, "ok",
+                                       stats={"median_us": 1.0}))
     r = runner.invoke(app, ["report", "--db", db], env=ENV)
     assert r.exit_code == 0 and "torch*" in r.stdout and "* superseded" in r.stdout
     r = runner.invoke(app, ["report", "--db", db, "--hide-superseded"], env=ENV)
@@ -125,7 +125,7 @@ def test_geomeans_count_only_shapes_with_a_baseline_and_say_how_many(db):
     (both,) = [s for s in suite_summaries(rows) if s.kv_format == "all"]
     assert (both.shapes, both.with_baseline, both.with_torch) == (2, 1, 1)
     assert both.speedup_vs_baseline == pytest.approx(rows[0].speedup_vs_baseline)
-    text = "\n".join(_summary_lines(rows, None))
+    text = "\n".join(summary_lines(rows, None))
     assert "vs baseline over 1 of 2 shapes" in text
     assert f"baselines timed in stack {rows[0].software_hash[:8]}" in text
     assert "torch at 1 of 2 current winners" in text
