@@ -1,7 +1,7 @@
 """What the bench scripts share, taken from the package so a benchmark measures what the tuner
 measures: the task's inputs (`mla_tune.problem.generate_input`), the float32 reference and
-the sweep's correctness gate (`mla_tune.reference`, `mla_tune.verify`), the device's read
-ceiling (the one the tuning DB stores for it, else measured by `mla_tune.bandwidth`), and the
+the sweep's correctness gate (`mla_tune.problem.reference`, `mla_tune.problem.verify`), the device's read
+ceiling (the one the tuning DB stores for it, else measured by `mla_tune.machine.bandwidth`), and the
 Triton variant notation the dev scripts take on their command lines.
 
 Scripts run as `python3 bench/NAME.py` from the repository root, so this directory is on
@@ -42,13 +42,13 @@ def _check_checkout() -> None:
 
 _check_checkout()
 
-from mla_tune.problem import KVFormat, Shape, TaskInput, parse_shape  # noqa: E402
+from mla_tune.problem.shapes import KVFormat, Shape, TaskInput, parse_shape  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
 
-    from kernels.triton.mla_decode import KernelConfig
-    from mla_tune.verify import VerifyResult
+    from mla_tune.kernels.triton.mla_decode import KernelConfig
+    from mla_tune.problem.verify import VerifyResult
 
 
 def parse_format_shape(text: str, heads: int = 16) -> Shape:
@@ -66,7 +66,7 @@ def parse_variant(text: str, heads: int = 16) -> tuple[Shape, KernelConfig]:
     """'FORMAT:BATCHxKV:knob=value,...' -> (shape, the Triton kernel's KernelConfig), with
     KernelConfig's fields as knobs, e.g.
     'fp8:256x8192:compute=fp8,block_n=64,kv_load=tma,num_stages=3,num_splits=1'."""
-    from kernels.triton.mla_decode import KernelConfig
+    from mla_tune.kernels.triton.mla_decode import KernelConfig
 
     shape = parse_format_shape(text, heads)
     parts = text.split(":")
@@ -106,7 +106,7 @@ def config_in(md: ModuleType, cfg: KernelConfig) -> Any:
 
 def task_input(shape: Shape, device: str | torch.device = "cuda", seed: int = 0) -> TaskInput:
     """The task tuple the sweep times (`mla_tune.problem.generate_input`), on `device`."""
-    from mla_tune.problem import generate_input
+    from mla_tune.problem.shapes import generate_input
 
     return generate_input(shape, seed=seed, device=device)
 
@@ -142,7 +142,7 @@ def prepared_launcher(md: ModuleType, cfg: KernelConfig, shape: Shape, data: Tas
 
 def reference(data: TaskInput, kv_format: KVFormat | str) -> torch.Tensor:
     """The float32 reference output of the task tuple for `kv_format`."""
-    from mla_tune.reference import mla_decode_reference
+    from mla_tune.problem.reference import mla_decode_reference
 
     return mla_decode_reference(*data, kv_format=KVFormat(kv_format))
 
@@ -150,8 +150,8 @@ def reference(data: TaskInput, kv_format: KVFormat | str) -> torch.Tensor:
 def check(out: torch.Tensor, ref: torch.Tensor, kv_format: KVFormat | str) -> VerifyResult:
     """`out` judged against `ref` by the sweep's gate for the format
     (configs/tolerances.toml)."""
-    from mla_tune.verify import check as gate
-    from mla_tune.verify import tolerance_for
+    from mla_tune.problem.verify import check as gate
+    from mla_tune.problem.verify import tolerance_for
 
     return gate(out, ref, tolerance_for(kv_format))
 
@@ -172,7 +172,7 @@ def graphed(launch: Callable[[], object]) -> Callable[[], None]:
 
 def _device_row(store: Any, device: str) -> Any:
     """The DB's row of this device's fingerprint, or None."""
-    from mla_tune.fingerprint import current_device
+    from mla_tune.machine.fingerprint import current_device
 
     fp_hash = current_device(device).hash
     return next((d for d in store.devices() if d.hash == fp_hash), None)
@@ -183,8 +183,8 @@ def read_ceiling_gbps(device: str = "cuda:0", db: str = "shipped") -> float:
     """The device's read ceiling in GB/s, the figure reports compare kernels with: the one
     tuning DB `db` stores for this device model (a sweep measures and stores it once), else
     measured here (`mla_tune.bandwidth.measure_read_bandwidth`, a few seconds)."""
-    from mla_tune.bandwidth import measure_read_bandwidth
     from mla_tune.db import TuningStore
+    from mla_tune.machine.bandwidth import measure_read_bandwidth
 
     with TuningStore(db, read_only=True) as store:
         row = _device_row(store, device)

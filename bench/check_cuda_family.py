@@ -16,11 +16,11 @@ import json
 import sys
 import time
 
-import benchkit
 import torch
 
+import benchkit
 from mla_tune.backends import get_backend
-from mla_tune.problem import KVFormat, Shape
+from mla_tune.problem.shapes import KVFormat, Shape
 
 RAGGED = (5, 33, 64, 300, 1027, 1500)
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 
-import benchkit
 import torch
 import triton
 import triton.language as tl
 from read_floor import LAYOUT, stream_tiles, time_layout
 
-from mla_tune.timing import CudaTimer, TimingPolicy
+import benchkit
+from mla_tune.tuning.timing import CudaTimer, TimingPolicy
 
 
 @triton.jit

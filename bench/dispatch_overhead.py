@@ -30,17 +30,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import benchkit
 import torch
 
+import benchkit
 from mla_tune.backends import get_backend, register
 from mla_tune.backends.base import Availability, Backend, KernelFn
-from mla_tune.dispatch import Dispatcher
-from mla_tune.fingerprint import current_device, current_software
-from mla_tune.problem import Shape, TaskInput
-from mla_tune.space import ParamSpace
-from mla_tune.timing import CudaTimer, TimingPolicy
-from mla_tune.winners_json import WinnerRecord
+from mla_tune.machine.fingerprint import current_device, current_software
+from mla_tune.problem.shapes import Shape, TaskInput
+from mla_tune.results.winners_file import WinnerRecord
+from mla_tune.runtime.dispatcher import Dispatcher
+from mla_tune.tuning.space import ParamSpace
+from mla_tune.tuning.timing import CudaTimer, TimingPolicy
 
 
 class NoopBackend(Backend):
@@ -67,9 +67,9 @@ class NoopBackend(Backend):
 def tune(shape: Shape, backend: str, budget: int, device: str, path: Path) -> None:
     """Sweep `shape` into a temporary DB and export its winners to `path`."""
     from mla_tune.db import TuningStore
-    from mla_tune.search import Strategy
-    from mla_tune.sweep import SweepOptions, run_sweep
-    from mla_tune.winners_json import export_winners
+    from mla_tune.results.winners_file import export_winners
+    from mla_tune.tuning.search import Strategy
+    from mla_tune.tuning.sweep import SweepOptions, run_sweep
 
     with tempfile.TemporaryDirectory() as tmp:
         with TuningStore(str(Path(tmp) / "tuning.db")) as store:

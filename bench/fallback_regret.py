@@ -32,19 +32,19 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import benchkit
 import torch
 
+import benchkit
 from mla_tune.backends import get_backend
-from mla_tune.dispatch import Decision, Dispatcher
-from mla_tune.evaluate import evaluate_side_by_side
-from mla_tune.fingerprint import current_device
-from mla_tune.problem import Shape
-from mla_tune.routing_rules import closest_splits, occupancy_splits
-from mla_tune.space import config_key
-from mla_tune.timing import CudaTimer, TimingPolicy
-from mla_tune.verify import tolerance_for
-from mla_tune.winners_json import WinnerRecord, records_from_store
+from mla_tune.machine.fingerprint import current_device
+from mla_tune.problem.shapes import Shape
+from mla_tune.problem.verify import tolerance_for
+from mla_tune.results.winners_file import WinnerRecord, records_from_store
+from mla_tune.runtime.dispatcher import Decision, Dispatcher
+from mla_tune.runtime.routing_rules import closest_splits, occupancy_splits
+from mla_tune.tuning.evaluate import evaluate_side_by_side
+from mla_tune.tuning.space import config_key
+from mla_tune.tuning.timing import CudaTimer, TimingPolicy
 
 BARS = {"median": 1.10, "worst": 1.5}
 """The regret the fallbacks must stay within (median and worst shape)."""

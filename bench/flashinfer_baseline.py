@@ -1,5 +1,5 @@
 """FlashInfer MLA decode baseline: a grid of FlashInfer variants, each verified against the
-float32 reference and timed with the cold-L2 timer the tuner uses (mla_tune.timing).
+float32 reference and timed with the cold-L2 timer the tuner uses (mla_tune.tuning.timing).
 
 Run on the GPU machine after `source .device/setup.sh`:
     python3 bench/flashinfer_baseline.py --precompile        # JIT every module, in parallel
@@ -20,14 +20,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import benchkit
 import torch
 
+import benchkit
 from mla_tune.backends.flashinfer_backend import FlashInferBackend
-from mla_tune.evaluate import TrialOutcome, evaluate
-from mla_tune.problem import KVFormat, Shape
-from mla_tune.timing import TimingPolicy, make_timer
-from mla_tune.verify import tolerance_for
+from mla_tune.problem.shapes import KVFormat, Shape
+from mla_tune.problem.verify import tolerance_for
+from mla_tune.tuning.evaluate import TrialOutcome, evaluate
+from mla_tune.tuning.timing import TimingPolicy, make_timer
 
 POLICY = TimingPolicy(warmup=3, min_runs=20, max_runs=200, target_rse=0.005, budget_s=0.15)
 
@@ -128,9 +128,9 @@ def sweep(args: argparse.Namespace) -> None:
         f"- device: {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
         f"flashinfer {backend.versions().get('flashinfer', '?')}",
         f"- command: `{' '.join([Path(sys.executable).name] + sys.argv)}`",
-        f"- timer: mla_tune.timing CudaTimer (L2 flushed before every call, CUDA events), "
+        f"- timer: mla_tune.tuning.timing CudaTimer (L2 flushed before every call, CUDA events), "
         f"{POLICY}", "- heads 16, q_len 1; every variant verified against "
-        "mla_tune.reference before timing (tolerance from configs/tolerances.toml)"])
+        "mla_tune.problem.reference before timing (tolerance from configs/tolerances.toml)"])
     out = Path(args.out)
     rows: list[Row] = []
     # Shape by shape, both formats each, so that a run cut short still has whole shapes.

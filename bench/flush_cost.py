@@ -3,10 +3,10 @@
 The leaderboard flushes L2 by writing a buffer larger than it (problem.md, "Timing
 protocol"), so the timed kernel starts with an L2 full of dirty lines: each line its reads
 evict is first written back to DRAM, inside the timed region. The device's read ceiling
-(mla_tune/bandwidth.py, the figure reports compare kernels with) is measured on a 4 GiB read
+(mla_tune/machine/bandwidth.py, the figure reports compare kernels with) is measured on a 4 GiB read
 without a flush, where that write-back is lost in the noise.
 
-This script times one streaming read (mla_tune.bandwidth's read-reduce kernel, replayed from
+This script times one streaming read (mla_tune.machine.bandwidth's read-reduce kernel, replayed from
 a CUDA graph) of each size under two flushes:
 - `write`: the protocol's, through the tuner's own timer (mla_tune.timing.CudaTimer);
 - `clean`: the same write, then a read of another buffer as large, so the kernel starts
@@ -27,10 +27,10 @@ import sys
 
 import torch
 import triton
-from benchkit import graphed
 
-from mla_tune.bandwidth import read_reduce
-from mla_tune.timing import CudaTimer, TimingPolicy
+from benchkit import graphed
+from mla_tune.machine.bandwidth import read_reduce
+from mla_tune.tuning.timing import CudaTimer, TimingPolicy
 
 # Sizes of the bars' caches (MB): 4x1024 bf16, fp8 64/128/256x8192 (= bf16 32/64/128x8192),
 # bf16 256x8192, MXFP4 256x8192; and a few around the L2's size.

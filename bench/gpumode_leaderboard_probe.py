@@ -36,9 +36,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 import submission
+import torch
 from reference import check_implementation, generate_input
 from utils import clear_l2_cache_large
 

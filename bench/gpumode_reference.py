@@ -17,7 +17,6 @@ runs the harness with it.
 """
 
 import torch
-
 from utils import make_match_reference
 
 NUM_HEADS, NUM_KV_HEADS = 16, 1

@@ -18,20 +18,20 @@ import sys
 import time
 from pathlib import Path
 
-import benchkit
 from rich.console import Console
 
+import benchkit
 from mla_tune.backends import backend_names, get_backend, source_hashes
-from mla_tune.bandwidth import measure_read_bandwidth
+from mla_tune.cli.progress import SweepProgress
 from mla_tune.db import TuningStore
-from mla_tune.fingerprint import current_device, current_software
-from mla_tune.problem import KVFormat, Shape
-from mla_tune.report import geomean
-from mla_tune.space import parse_pin
-from mla_tune.suites import suite_shapes
-from mla_tune.sweep import SweepOptions, run_sweep
-from mla_tune.timing import TimingPolicy
-from mla_tune.ui import SweepProgress
+from mla_tune.machine.bandwidth import measure_read_bandwidth
+from mla_tune.machine.fingerprint import current_device, current_software
+from mla_tune.problem.shapes import KVFormat, Shape
+from mla_tune.problem.suites import suite_shapes
+from mla_tune.reports.table import geomean
+from mla_tune.tuning.space import parse_pin
+from mla_tune.tuning.sweep import SweepOptions, run_sweep
+from mla_tune.tuning.timing import TimingPolicy
 
 OURS, LIBRARY, TORCH = "triton", "flashinfer", "torch"
 
@@ -86,7 +86,7 @@ def main() -> None:
                     help="print the tables from --db without sweeping (any machine)")
     args = ap.parse_args()
 
-    from mla_tune.search import Strategy
+    from mla_tune.tuning.search import Strategy
 
     formats = [KVFormat(f) for f in args.kv_format] or None
     shapes: list[Shape] = []

@@ -14,12 +14,12 @@ import argparse
 import json
 import sys
 
-import benchkit
 import torch
 
-import mla_tune.timing as timing
+import benchkit
+import mla_tune.tuning.timing as timing
 from mla_tune.backends import get_backend
-from mla_tune.timing import CudaTimer, TimingPolicy
+from mla_tune.tuning.timing import CudaTimer, TimingPolicy
 
 
 def main() -> None:

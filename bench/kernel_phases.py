@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import sys
 
-import benchkit
 import probed_kernel
+
+import benchkit
 
 PHASES = ("bounds loaded", "query block loaded", "last tile in registers",
           "its QK^T done", "KV loop done", "epilogue done")
@@ -27,13 +28,13 @@ PHASES = ("bounds loaded", "query block loaded", "last tile in registers",
 PATCHES = [
     probed_kernel.register_readers({"_clk": ("clock64", 64)}),
     probed_kernel.at_program_start("t0 = _clk(pid_m)"),
-    ('''    kv_start, L, chunk, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
-    if (r0 < rows) & (split < n_act):''', '''    kv_start, L, chunk, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
-    t1 = _clk(kv_start + q_start)
-    if (r0 < rows) & (split < n_act):'''),
-    ('''            qr = tl.load(q_row + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-''', '''            qr = tl.load(q_row + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-            tl.store(dbg + 2, _clk(tl.max(tl.max(qr.to(tl.float32), 1), 0)))
+    ('''        kv_start, L, chunk, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
+        if (r0 < rows) & (split < n_act):''', '''        kv_start, L, chunk, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
+        t1 = _clk(kv_start + q_start)
+        if (r0 < rows) & (split < n_act):'''),
+    ('''        qr = tl.load(q_row + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+''', '''        qr = tl.load(q_row + D_NOPE + offs_r[None, :], mask=row_ok[:, None], other=0.0)
+        tl.store(dbg + 2, _clk(tl.max(tl.max(qr.to(tl.float32), 1), 0)))
 '''),
     ('''    if COMPUTE == 3:
         # e4m3 QK^T on the tile as stored; only the values are converted, to fp16.''',
@@ -52,11 +53,11 @@ PATCHES = [
     ("    return _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT,",
      "    return _attend_tile(DBG, kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT,"),
     ("def _attend_kv_tile(KV, desc_n,", "def _attend_kv_tile(DBG, KV, desc_n,"),
-    ('''                for n0 in range(lo, hi, BLOCK_N):
-                    m_i, l_i, acc = _attend_kv_tile(
-                        KV,''', '''                for n0 in range(lo, hi, BLOCK_N):
-                    m_i, l_i, acc = _attend_kv_tile(
-                        dbg, KV,'''),
+    ('''            for n0 in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc = _attend_kv_tile(
+                    KV,''', '''            for n0 in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc = _attend_kv_tile(
+                    dbg, KV,'''),
 ]
 """The clock probes, on top of probed_kernel's debug buffer."""
 

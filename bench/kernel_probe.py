@@ -28,11 +28,11 @@ import argparse
 from pathlib import Path
 from types import ModuleType
 
-import benchkit
 import torch
 
-from kernels.triton import mla_decode
-from mla_tune.timing import CudaTimer, TimingPolicy
+import benchkit
+from mla_tune.kernels.triton import mla_decode
+from mla_tune.tuning.timing import CudaTimer, TimingPolicy
 
 
 def main() -> None:

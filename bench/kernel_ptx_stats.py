@@ -18,8 +18,7 @@ import re
 from pathlib import Path
 
 import benchkit
-
-from kernels.triton.static_check import compile_split, usage
+from mla_tune.kernels.triton.static_check import compile_split, usage
 
 COUNTED = ("mma.sync", "wgmma.mma_async", "ldmatrix", "ld.shared", "ld.shared.v4",
            "ld.shared.b8", "st.shared.b8", "st.shared.b16", "st.shared.b32", "st.shared.v2",

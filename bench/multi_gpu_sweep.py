@@ -30,16 +30,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from benchkit import ROOT
-
 from mla_tune.db import TuningStore
-from mla_tune.report import geomean
+from mla_tune.reports.table import geomean
 
 TARGET = 1.8
 _SEED_BANDWIDTH = """
 import sys
-from mla_tune.bandwidth import measure_read_bandwidth
+from mla_tune.machine.bandwidth import measure_read_bandwidth
 from mla_tune.db import TuningStore
-from mla_tune.fingerprint import current_device
+from mla_tune.machine.fingerprint import current_device
 gbps = measure_read_bandwidth("cuda:0")
 print(f"read bandwidth {gbps:.0f} GB/s" if gbps else "read bandwidth: not measured")
 for db in sys.argv[1:]:

@@ -21,16 +21,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import benchkit
 import torch
 
+import benchkit
 from mla_tune.backends import get_backend
-from mla_tune.dispatch import Dispatcher
-from mla_tune.evaluate import evaluate_side_by_side
-from mla_tune.problem import KVFormat, Shape
-from mla_tune.suites import suite_shapes
-from mla_tune.timing import CudaTimer, TimingPolicy
-from mla_tune.verify import tolerance_for
+from mla_tune.problem.shapes import KVFormat, Shape
+from mla_tune.problem.suites import suite_shapes
+from mla_tune.problem.verify import tolerance_for
+from mla_tune.runtime.dispatcher import Dispatcher
+from mla_tune.tuning.evaluate import evaluate_side_by_side
+from mla_tune.tuning.timing import CudaTimer, TimingPolicy
 
 PAGES = (1, 64)
 

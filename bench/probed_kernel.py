@@ -1,7 +1,9 @@
 """The Triton MLA decode kernel with probes patched in, for the dev scripts that look inside a
 split program (bench/kernel_phases.py, bench/program_timeline.py).
 
-Every split program gets DEBUG_WORDS int64 words of a debug buffer: `dbg` in the kernel,
+Every split program gets DEBUG_WORDS int64 words of a debug buffer: `dbg` in the kernel's
+per-sequence split path (SCHED_SPLITS, the one MlaDecodeLauncher runs; the balanced
+schedules are not probed) and in `_attend_rows`, which that path calls once per program;
 `launcher.dbg` on the host. A script adds its own patches (its probes) on top. Each patch
 point must occur exactly once, so a kernel change that moves one fails loudly.
 """
@@ -25,10 +27,13 @@ Patch = tuple[str, str]
 _DEBUG_BUFFER: list[Patch] = [
     ("    OUT, PART_O, PART_LSE, COUNTERS,\n    H, total_rows,",
      "    OUT, PART_O, PART_LSE, COUNTERS, DBG,\n    H, total_rows,"),
-    ("    b = tl.program_id(2)\n",
-     "    b = tl.program_id(2)\n"
-     f"    dbg = DBG + ((b * tl.num_programs(1) + split) * tl.num_programs(0) + pid_m) * "
+    ("    if SCHED == 0:\n        b = tl.program_id(2)\n",
+     "    if SCHED == 0:\n        b = tl.program_id(2)\n"
+     f"        dbg = DBG + ((b * tl.num_programs(1) + split) * tl.num_programs(0) + pid_m) * "
      f"{DEBUG_WORDS}\n"),
+    ("def _attend_rows(\n    Q, KV,", "def _attend_rows(\n    dbg, Q, KV,"),
+    ("            _attend_rows(\n                Q, KV,",
+     "            _attend_rows(\n                dbg, Q, KV,"),
     ('''0, torch.bfloat16, f32, f32, i32, heads,''',
      '''0, torch.bfloat16, f32, f32, i32, torch.int64, heads,'''),
     ('''                      self.part_lse, self.counters, self.heads,''',
@@ -42,7 +47,8 @@ _DEBUG_BUFFER: list[Patch] = [
         self.dbg = torch.zeros(%d * self.batch * self.row_blocks * self.n_splits,
                                dtype=torch.int64, device=device)''' % DEBUG_WORDS),
 ]
-"""Threads the debug buffer through the split kernel and its launcher."""
+"""Threads the debug buffer through the split kernel (its SCHED_SPLITS path), `_attend_rows`
+and the launcher."""
 
 
 _READ_WIDTHS = {64: ("u64", "l", "tl.int64"), 32: ("u32", "r", "tl.int32")}
@@ -66,29 +72,31 @@ def register_readers(readers: dict[str, tuple[str, int]]) -> Patch:
 
 
 def at_program_start(stmt: str) -> Patch:
-    """A patch running `stmt` (one line) first thing in every split program, before its
-    debug words are addressed (a probe of the program's start)."""
-    anchor = "    dbg = DBG + ((b"
-    return anchor, f"    {stmt}\n{anchor}"
+    """A patch running `stmt` (one line) first thing in every split program, once its
+    program ids are read and before its debug words are addressed (a probe of the
+    program's start; kernel scope, so `at_program_end` can store what it computed)."""
+    anchor = "\n        dbg = DBG + ((b"
+    return anchor, f"\n        {stmt}{anchor}"
 
 
 def at_loop_end(stmt: str) -> Patch:
     """A patch running `stmt` (one line) once a bf16/fp8 program's KV loop is done and its
-    softmax state `l_i` is final, before the epilogue."""
-    anchor = "        l_safe = tl.where(l_i > 0, l_i, 1.0)\n"
-    return anchor, f"        {stmt}\n{anchor}"
+    softmax state `l_i` is final, before the epilogue (in `_attend_rows`)."""
+    anchor = "\n    l_safe = tl.where(l_i > 0, l_i, 1.0)\n"
+    return anchor, f"\n    {stmt}{anchor}"
 
 
-_PROGRAM_END = ('                    tl.atomic_xchg(COUNTERS + cidx, 0, sem="relaxed", '
-                'scope="gpu")\n')
-_NEXT_KERNEL = '\n\n@triton.jit(do_not_specialize=["total_rows", "n_splits"])'
+_PROGRAM_END = "                NV_ASM, TMA, SCHED)\n"
+"""The end of the SCHED_SPLITS path's `_attend_rows` call, inside its active-program branch."""
+_OTHER_SCHEDULES = "    else:\n"
 
 
 def at_program_end(stmts: Sequence[str]) -> Patch:
     """A patch running `stmts` (one line each) after a split program's last statement (its
-    output, partial or fused merge stored), behind a barrier so every warp is done."""
-    body = "".join(f"        {s}\n" for s in ["tl.debug_barrier()", *stmts])
-    return _PROGRAM_END + _NEXT_KERNEL, _PROGRAM_END + body + _NEXT_KERNEL
+    output, partial or fused merge stored: `_attend_rows` returned), behind a barrier so
+    every warp is done. Only programs with rows and keys to attend get there."""
+    body = "".join(f"            {s}\n" for s in ["tl.debug_barrier()", *stmts])
+    return _PROGRAM_END + _OTHER_SCHEDULES, _PROGRAM_END + body + _OTHER_SCHEDULES
 
 
 def probed_module(patches: Sequence[Patch], name: str) -> ModuleType:
@@ -120,7 +128,7 @@ def _cold_timer() -> Any:
     """One timer for all variants: its L2-flush buffer is allocated once."""
     import torch
 
-    from mla_tune.timing import CudaTimer
+    from mla_tune.tuning.timing import CudaTimer
 
     return CudaTimer(torch.device("cuda"))
 

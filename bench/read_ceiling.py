@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 
-import benchkit  # noqa: F401 - imports mla_tune from this checkout only
 import torch
 
-from mla_tune.bandwidth import reader_rates
+import benchkit  # noqa: F401 - imports mla_tune from this checkout only
+from mla_tune.machine.bandwidth import reader_rates
 
 
 def main() -> None:

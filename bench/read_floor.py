@@ -29,16 +29,16 @@ import argparse
 import functools
 import json
 
-import benchkit
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.triton import mla_decode
-from kernels.triton.mla_decode import KernelConfig
-from mla_tune.problem import Shape
-from mla_tune.timing import CudaTimer, TimingPolicy
+import benchkit
+from mla_tune.kernels.triton import mla_decode
+from mla_tune.kernels.triton.mla_decode import KernelConfig
+from mla_tune.problem.shapes import Shape
+from mla_tune.tuning.timing import CudaTimer, TimingPolicy
 
 # (element dtype, row elements, first box width): each token's row is read as two boxes,
 # like the MLA kernel's nope and rope parts (a TMA box is at most 256 elements wide, and

@@ -47,11 +47,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mla_tune import quant  # noqa: E402
-from mla_tune.dispatch import Dispatcher  # noqa: E402
-from mla_tune.problem import QK_HEAD_DIM, SM_SCALE, Shape  # noqa: E402
-from mla_tune.reference import mla_decode_reference  # noqa: E402
-from mla_tune.serving import MLADecodeWrapper  # noqa: E402
+from mla_tune.problem import quant  # noqa: E402
+from mla_tune.problem.reference import mla_decode_reference  # noqa: E402
+from mla_tune.problem.shapes import QK_HEAD_DIM, SM_SCALE, Shape  # noqa: E402
+from mla_tune.runtime.dispatcher import Dispatcher  # noqa: E402
+from mla_tune.runtime.wrapper import MLADecodeWrapper  # noqa: E402
 
 
 def allocations(dev: torch.device) -> int:
@@ -296,7 +296,7 @@ def run_loop(loop: Loop, disp: Dispatcher, fi_ok: bool, explore: bool) -> dict[s
     r["direct_graph_host_us"] = statistics.median(t_host) if t_host else math.nan
 
     # custom_kernel on the task tuples (no kv_lens).
-    from mla_tune.buckets import router_for
+    from mla_tune.runtime.buckets import router_for
 
     router = router_for(disp)
     for t in loop.tasks:
@@ -365,7 +365,7 @@ def run_loop(loop: Loop, disp: Dispatcher, fi_ok: bool, explore: bool) -> dict[s
 def other_merge(loop: Loop, w: MLADecodeWrapper, task_runner: Any) -> dict[str, Any]:
     """The wrapper's and the task path's balanced runners rebuilt with the other merge mode
     (the same compiled kernels): GPU time per step, host time of plan + its launches."""
-    from kernels.triton.mla_decode import MERGE_FUSED, MERGE_SEPARATE, BalancedLauncher
+    from mla_tune.kernels.triton.mla_decode import MERGE_FUSED, MERGE_SEPARATE, BalancedLauncher
 
     route = w._route
     base = getattr(route.runner, "launcher", None)

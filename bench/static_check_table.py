@@ -1,8 +1,8 @@
 """The static check of the Triton family's default space as a markdown table: registers,
 spills and shared memory of every distinct compiled variant on sm_90 and gfx950, from the
-JSON lines `python -m mla_tune.triton_variants` prints (it cross-compiles on the CPU; no GPU).
+JSON lines `python -m mla_tune.tuning.triton_variants` prints (it cross-compiles on the CPU; no GPU).
 
-    python -m mla_tune.triton_variants --jobs 2 | python3 bench/static_check_table.py
+    python -m mla_tune.tuning.triton_variants --jobs 2 | python3 bench/static_check_table.py
 """
 
 from __future__ import annotations

@@ -21,11 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-import benchkit
 import torch
 
-from kernels.triton import mla_decode
-from mla_tune.timing import CudaTimer, TimingPolicy
+import benchkit
+from mla_tune.kernels.triton import mla_decode
+from mla_tune.tuning.timing import CudaTimer, TimingPolicy
 
 BLOCK, ROUNDS, IDLE_AFTER, IDLE_S = 150, 24, (8, 16), 5.0
 SMI_FIELDS = ("timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,"

@@ -17,13 +17,13 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
 
-import benchkit
 import torch
 
-from kernels.triton import mla_decode
-from kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher
-from mla_tune.problem import Shape
-from mla_tune.timing import CudaTimer, TimingPolicy
+import benchkit
+from mla_tune.kernels.triton import mla_decode
+from mla_tune.kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher
+from mla_tune.problem.shapes import Shape
+from mla_tune.tuning.timing import CudaTimer, TimingPolicy
 
 SUITE = [(4, 1024), (32, 1024), (64, 1024), (128, 1024), (256, 1024),
          (4, 8192), (32, 8192), (64, 8192), (128, 8192), (256, 8192)]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from mla_tune.problem import KVFormat, Shape, generate_input, parse_shape
+from mla_tune.problem.shapes import KVFormat, Shape, generate_input, parse_shape
 
 if TYPE_CHECKING:
-    from mla_tune.dispatch import Dispatcher
-    from mla_tune.serving import MLADecodeWrapper
+    from mla_tune.runtime.dispatcher import Dispatcher
+    from mla_tune.runtime.wrapper import MLADecodeWrapper
 
 __version__ = "0.1.0"
 
@@ -16,7 +16,7 @@ __all__ = ["Dispatcher", "KVFormat", "MLADecodeWrapper", "Shape", "__version__",
            "generate_input", "parse_shape"]
 
 # Loaded on first use, so `import mla_tune` stays cheap for code that never dispatches.
-_LAZY = {"Dispatcher": "mla_tune.dispatch", "MLADecodeWrapper": "mla_tune.serving"}
+_LAZY = {"Dispatcher": "mla_tune.runtime.dispatcher", "MLADecodeWrapper": "mla_tune.runtime.wrapper"}
 
 
 def __getattr__(name: str) -> Any:

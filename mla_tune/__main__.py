@@ -1,5 +1,5 @@
 """`python -m mla_tune` runs the CLI."""
 
-from mla_tune.cli import main
+from mla_tune.cli.main import main
 
 main()

@@ -14,10 +14,10 @@ import sys
 
 import torch
 
-from mla_tune.dispatch import Dispatcher
-from mla_tune.problem import parse_shape, generate_input
-from mla_tune.reference import mla_decode_reference
-from mla_tune.verify import check, tolerance_for
+from mla_tune.runtime.dispatcher import Dispatcher
+from mla_tune.problem.shapes import parse_shape, generate_input
+from mla_tune.problem.reference import mla_decode_reference
+from mla_tune.problem.verify import check, tolerance_for
 
 
 def main() -> int:

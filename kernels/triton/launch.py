@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher
+from .mla_decode import KernelConfig, MlaDecodeLauncher
 
 COMPUTE_BY_FORMAT = {"bf16": ("bf16",), "fp8": ("bf16", "fp16", "fp8", "fp8qk"),
                      "mxfp4": ("bf16",)}

@@ -90,7 +90,7 @@ class ServingPlanLauncher:
         if k is None:
             from triton.runtime import driver
 
-            from kernels.triton.mla_decode import _c_launch
+            from .mla_decode import _c_launch
 
             ins = [torch.empty(0, dtype=d, device=self.device) for d in dtypes]
             out = torch.empty(0, dtype=torch.int32, device=self.device)

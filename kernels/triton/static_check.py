@@ -7,7 +7,7 @@ version, constexprs, options and target, since compiling takes seconds per varia
 processes (`--gpus N`, concurrent sweeps) share the cache: entries are written atomically
 and an unreadable one is recompiled.
 
-Which variants exist is the tuner's business: `python -m mla_tune.triton_variants`
+Which variants exist is the tuner's business: `python -m mla_tune.tuning.triton_variants`
 enumerates the Triton family's default space and compiles it with `compile_all`.
 """
 
@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kernels.triton import mla_decode as md
-from kernels.triton.precompile import TARGETS, jit_compile
+from . import mla_decode as md
+from .precompile import TARGETS, jit_compile
 
 SHARED_LIMIT = {"cuda:90": 232448, "hip:gfx950": 163840}
 """Max dynamic shared memory per block: H100/H200 227 KiB; MI355X (gfx950) 160 KiB LDS."""

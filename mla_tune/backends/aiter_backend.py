@@ -35,12 +35,12 @@ from typing import Any
 
 import torch
 
-from mla_tune import quant
 from mla_tune.backends import vendor
 from mla_tune.backends.base import Availability, Backend, KernelFn
-from mla_tune.fingerprint import installed_version
-from mla_tune.problem import (QK_HEAD_DIM, SM_SCALE, V_HEAD_DIM, KVFormat, Shape, TaskInput)
-from mla_tune.space import load_backend_space
+from mla_tune.machine.fingerprint import installed_version
+from mla_tune.problem import quant
+from mla_tune.problem.shapes import QK_HEAD_DIM, SM_SCALE, V_HEAD_DIM, KVFormat, Shape, TaskInput
+from mla_tune.tuning.space import load_backend_space
 
 AITER_COMMIT = "e4048607a535ace3a2b51ded31b1c8c2d45c0879"
 """The ROCm/aiter commit whose `aiter/mla.py` and `aiter/ops/attention.py` this follows."""

@@ -14,9 +14,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from mla_tune.problem import Shape, TaskInput
-from mla_tune.source_hash import hash_source_bytes, hash_sources
-from mla_tune.space import ParamSpace, load_backend_space
+from mla_tune.backends.source_hash import hash_source_bytes, hash_sources
+from mla_tune.problem.shapes import Shape, TaskInput
+from mla_tune.tuning.space import ParamSpace, load_backend_space
 
 KernelFn = Callable[[TaskInput], torch.Tensor]
 """A built variant: the task tuple in, (total_q, heads, 512) bf16 out. It may return the

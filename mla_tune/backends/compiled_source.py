@@ -37,8 +37,8 @@ from mla_tune.backends.compiled_toolchain import (
     compile_variant,
     find_compiler,
 )
-from mla_tune.problem import V_HEAD_DIM, KVFormat, Shape, TaskInput
-from mla_tune.space import CONFIG_DIR, ParamSpace
+from mla_tune.problem.shapes import V_HEAD_DIM, KVFormat, Shape, TaskInput
+from mla_tune.tuning.space import CONFIG_DIR, ParamSpace
 
 FAMILIES_ENV = "MLA_TUNE_BACKENDS"
 """Family files outside configs/backends, separated by ':' (os.pathsep); each registers a

@@ -20,7 +20,7 @@ from typing import Any
 
 from mla_tune.backends import UnknownBackendError
 from mla_tune.backends.compiled_expr import Expr, ExprError, parse
-from mla_tune.problem import KVFormat, Shape
+from mla_tune.problem.shapes import KVFormat, Shape
 
 LANGUAGES = ("cuda", "hip")
 TENSOR_ARGS = ("q", "kv", "kv_scale", "qo_indptr", "kv_indptr", "out", "scratch")
@@ -106,7 +106,7 @@ class FamilySpec:
 
 def shape_env(shape: Shape) -> dict[str, int | float]:
     """The shape variables of expressions."""
-    from mla_tune.problem import SM_SCALE
+    from mla_tune.problem.shapes import SM_SCALE
 
     return {"batch": shape.batch, "heads": shape.heads, "q_len": shape.q_len,
             "kv_len": shape.kv_len, "min_kv_len": min(shape.kv_lens),

@@ -34,11 +34,19 @@ from typing import Any
 
 import torch
 
-from mla_tune import quant
 from mla_tune.backends import vendor
 from mla_tune.backends.base import Availability, Backend, KernelFn
-from mla_tune.problem import (KV_LORA_RANK, QK_HEAD_DIM, QK_ROPE_HEAD_DIM, SM_SCALE,
-                              V_HEAD_DIM, KVFormat, Shape, TaskInput)
+from mla_tune.problem import quant
+from mla_tune.problem.shapes import (
+    KV_LORA_RANK,
+    QK_HEAD_DIM,
+    QK_ROPE_HEAD_DIM,
+    SM_SCALE,
+    V_HEAD_DIM,
+    KVFormat,
+    Shape,
+    TaskInput,
+)
 
 PIP_HINT = "pip install 'mla-tune[cuda]'"
 WORKSPACE_BYTES = 128 * 2**20

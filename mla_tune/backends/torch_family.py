@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from mla_tune.backends.base import Availability, Backend, KernelFn
-from mla_tune.problem import V_HEAD_DIM, KVFormat, Shape, TaskInput
+from mla_tune.problem.shapes import V_HEAD_DIM, KVFormat, Shape, TaskInput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _dequantize(kv_data: dict[str, Any], kv_format: KVFormat, dtype: torch.dtype) -> torch.Tensor:
     """The KV cache as a (total_kv, 576) tensor of `dtype`."""
-    from mla_tune import quant
+    from mla_tune.problem import quant
 
     if kv_format is KVFormat.BF16:
         kv = kv_data["bf16"]

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+import mla_tune.kernels.triton
 from mla_tune.backends.base import Availability, Backend, KernelFn
-from mla_tune.problem import SM_SCALE, KVFormat, Shape
+from mla_tune.problem.shapes import SM_SCALE, KVFormat, Shape
 
-_KERNEL_DIR = Path(__file__).resolve().parent.parent.parent / "kernels" / "triton"
+_KERNEL_DIR = Path(mla_tune.kernels.triton.__file__).resolve().parent
 
 
 def _interpreting() -> bool:
@@ -31,7 +32,7 @@ def _interpreting() -> bool:
 def kernel_config(shape: Shape, config: Mapping[str, Any]):
     """The kernel's KernelConfig for a point of the space on `shape` (kernels/triton/launch.py
     holds the launch rules)."""
-    from kernels.triton.launch import variant_config
+    from mla_tune.kernels.triton.launch import variant_config
 
     return variant_config(shape.kv_format.value, shape.page_size, config)
 
@@ -63,7 +64,7 @@ class TritonFamily(Backend):
             return Availability(False, "needs a CUDA or HIP GPU (or TRITON_INTERPRET=1 on CPU "
                                        "for tests)")
         try:
-            import kernels.triton.mla_decode  # noqa: F401 - defines (parses) the kernels
+            import mla_tune.kernels.triton.mla_decode  # noqa: F401 - defines (parses) the kernels
         except Exception as e:  # noqa: BLE001 - any import failure is the reason to report
             return Availability(False, f"kernels/triton does not import: {type(e).__name__}: {e}")
         return Availability(True)
@@ -76,7 +77,7 @@ class TritonFamily(Backend):
         return None
 
     def feasible(self, shape: Shape, config: Mapping[str, Any]) -> bool:
-        from kernels.triton.launch import variant_feasible
+        from mla_tune.kernels.triton.launch import variant_feasible
 
         return variant_feasible(shape.kv_format.value, shape.kv_lens, shape.q_len,
                                 shape.heads, shape.page_size, config)
@@ -85,7 +86,7 @@ class TritonFamily(Backend):
                  device: torch.device) -> str | None:
         if _interpreting() or torch.device(device).type != "cuda":
             return None
-        from kernels.triton import static_check
+        from mla_tune.kernels.triton import static_check
 
         cfg = kernel_config(shape, config)
         return static_check.check(cfg, [_target_name(torch.device(device))], heads=shape.heads)
@@ -94,20 +95,20 @@ class TritonFamily(Backend):
                     device: torch.device) -> tuple | None:
         if _interpreting() or torch.device(device).type != "cuda":
             return None
-        from kernels.triton import static_check
+        from mla_tune.kernels.triton import static_check
 
         return static_check.compiled_key(kernel_config(shape, config), shape.heads)
 
     def compile_ahead(self, shape: Shape, config: Mapping[str, Any], arch: str) -> None:
-        from kernels.triton import static_check
-        from kernels.triton.precompile import target_for_arch
+        from mla_tune.kernels.triton import static_check
+        from mla_tune.kernels.triton.precompile import target_for_arch
 
         target = target_for_arch(arch)
         if target is not None:
             static_check.compile_ahead(kernel_config(shape, config), target, heads=shape.heads)
 
     def build(self, shape: Shape, config: Mapping[str, Any], device: torch.device) -> KernelFn:
-        from kernels.triton.launch import build_variant
+        from mla_tune.kernels.triton.launch import build_variant
 
         return build_variant(shape.kv_format.value, list(shape.kv_lens), shape.q_len,
                              shape.heads, config, device, page_size=shape.page_size,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mla_tune.problem import QK_HEAD_DIM, Shape, TaskInput
+from mla_tune.problem.shapes import QK_HEAD_DIM, Shape, TaskInput
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from mla_tune.db.rows import (
     TrialRow,
     WinnerRow,
 )
-from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint
+from mla_tune.machine.fingerprint import DeviceFingerprint, SoftwareFingerprint
 
 if TYPE_CHECKING:
     from optuna.storages import BaseStorage
@@ -208,7 +208,7 @@ class BaseTuningStore(abc.ABC):
         `sources`, oldest first. When `choose` returns None the stored winner is removed
         and None returned; else the stored winner is returned. Raises ValueError when the
         choice is not a candidate. Which trial wins is the caller's policy
-        (`mla_tune.winner_selection`); the store makes reading and storing one step, so
+        (`mla_tune.results.selection`); the store makes reading and storing one step, so
         `choose` runs inside it and must not call the store."""
 
     @abc.abstractmethod

@@ -14,7 +14,7 @@ from typing import Any
 
 from mla_tune.db.models import TRIAL_STATUSES, Device, Software, Trial, Winner
 from mla_tune.db.rows import TrialRow, WinnerRow
-from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint
+from mla_tune.machine.fingerprint import DeviceFingerprint, SoftwareFingerprint
 
 # What a read takes from one row (reports, the dispatcher). A config or a software record
 # is well under a KiB; a ragged shape lists up to 2**20 kv lengths (winners_json's cap on a

@@ -111,7 +111,7 @@ class Trial(_TuningKey, Base):
     worker: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     # Set when a sweep timed this trial again side by side with the shape's other finalists
-    # (sweep --runoff, mla_tune.runoff): the statistics above are then those of the better
+    # (sweep --runoff, mla_tune.tuning.runoff): the statistics above are then those of the better
     # of its timings (lower median); both medians are kept here. Trials timed together
     # share `remeasured_at`.
     first_median_us: Mapped[float | None] = mapped_column(Float)

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from mla_tune.db.engine import GROUP_KEY, TRIAL_KEY, SQLEngine, group_where, reads, writes
 from mla_tune.db.models import Claim, Trial, utcnow
 from mla_tune.db.rows import ClaimRow, TrialGroup
-from mla_tune.space import config_key
+from mla_tune.tuning.space import config_key
 
 
 class SQLWorkQueue(SQLEngine):

@@ -1,6 +1,6 @@
 """Results on SQLAlchemy: devices and stacks, trials, and the winner of each shape (see
 `BaseTuningStore`'s "Results"). Which trial wins is not decided here
-(`mla_tune.winner_selection` is the policy); this module stores its choice atomically."""
+(`mla_tune.results.selection` is the policy); this module stores its choice atomically."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from mla_tune.db.rows import (
     TrialRow,
     WinnerRow,
 )
-from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint
-from mla_tune.space import config_key
+from mla_tune.machine.fingerprint import DeviceFingerprint, SoftwareFingerprint
+from mla_tune.tuning.space import config_key
 
 _WINNER_KEY = ("device_id", "software_id", "shape_key")
 

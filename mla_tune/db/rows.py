@@ -15,9 +15,9 @@ from datetime import datetime
 from typing import Any
 
 from mla_tune.db.models import TRIAL_STATUSES
-from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint
+from mla_tune.machine.fingerprint import DeviceFingerprint, SoftwareFingerprint
 
-# The timing statistics a trial carries (those of `mla_tune.timing`), all optional.
+# The timing statistics a trial carries (those of `mla_tune.tuning.timing`), all optional.
 STAT_KEYS = ("median_us", "mean_us", "std_us", "min_us", "max_us", "n")
 
 

@@ -3,7 +3,7 @@
 `TuningStore` implements `BaseTuningStore` from one module per concern: opening and
 migrating (`engine`), the work queue (`queue`), trials and winners (`results`), and
 maintenance (`maintenance`). Optuna's tables share the database under their own names
-(ours start with `mt_`), opened through `mla_tune.optuna_study`.
+(ours start with `mt_`), opened through `mla_tune.tuning.optuna_study`.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class TuningStore(SQLWorkQueue, SQLResults, SQLMaintenance):
     @writes
     def optuna_storage(self, heartbeat_s: int | None = None,
                        grace_s: int | None = None) -> RDBStorage:
-        from mla_tune.optuna_study import open_storage
+        from mla_tune.tuning.optuna_study import open_storage
 
         engine_kwargs = ({"connect_args": {"timeout": BUSY_TIMEOUT_S}}
                          if self._dialect == "sqlite" else {"pool_pre_ping": True})

@@ -13,7 +13,7 @@ import torch
 
 from mla_tune.backends import aiter_backend as ab
 from mla_tune.backends import get_backend
-from mla_tune.problem import SM_SCALE, Shape
+from mla_tune.problem.shapes import SM_SCALE, Shape
 from tests.backends.signatures import REQUIRED, bind
 
 # ---------------------------------------------------------------------------------------

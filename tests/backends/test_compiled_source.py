@@ -24,7 +24,7 @@ from mla_tune.backends.compiled_toolchain import (
     parse_amdgpu_remarks,
     parse_ptx_entries,
 )
-from mla_tune.problem import KVFormat, Shape
+from mla_tune.problem.shapes import KVFormat, Shape
 
 ROOT = Path(__file__).resolve().parents[2]
 NVCC = find_compiler("cuda")
@@ -184,7 +184,7 @@ def test_family_files_from_env_register_and_bad_ones_fail_the_cli(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from mla_tune.cli import app
+    from mla_tune.cli.main import app
 
     good = family(tmp_path, "good_small")
     (tmp_path / "b").mkdir()
@@ -216,7 +216,7 @@ def test_source_hash_moves_with_the_family_file(tmp_path: Path) -> None:
 def test_doctor_lists_the_family_and_the_compilers(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from mla_tune.cli import app
+    from mla_tune.cli.main import app
 
     r = CliRunner().invoke(app, ["doctor", "--device", "cpu", "--db", str(tmp_path / "n.db")])
     assert r.exit_code == 0, r.output

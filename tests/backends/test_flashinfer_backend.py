@@ -10,11 +10,11 @@ import types
 import pytest
 import torch
 
-from mla_tune.backends import get_backend
 from mla_tune.backends import flashinfer_backend as fib
-from mla_tune.problem import KVFormat, Shape, generate_input
-from mla_tune.reference import mla_decode_reference
-from mla_tune.verify import Tolerance, check, tolerance_for
+from mla_tune.backends import get_backend
+from mla_tune.problem.reference import mla_decode_reference
+from mla_tune.problem.shapes import KVFormat, Shape, generate_input
+from mla_tune.problem.verify import Tolerance, check, tolerance_for
 from tests.backends.signatures import KEYWORD_ONLY, REQUIRED, bind
 
 # ---------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 import torch
 
 from mla_tune.backends.triton_family import TritonFamily
-from mla_tune.problem import KVFormat, Shape
+from mla_tune.problem.shapes import KVFormat, Shape
 
 
 def _converts(fmt: KVFormat) -> set[tuple[str, str]]:

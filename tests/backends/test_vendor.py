@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mla_tune.backends.vendor import contiguous_page_table, page_layout_problem, warmup_input
-from mla_tune.problem import Shape
+from mla_tune.problem.shapes import Shape
 
 
 def _gather(kv: torch.Tensor, table) -> list[torch.Tensor]:

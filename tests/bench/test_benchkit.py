@@ -15,11 +15,10 @@ import pytest
 pytest.importorskip("triton")
 
 import benchkit  # noqa: E402
-
-from kernels.triton import mla_decode  # noqa: E402
-from kernels.triton.precompile import jit_compile  # noqa: E402
 from mla_tune.db import TuningStore  # noqa: E402
-from mla_tune.fingerprint import current_device  # noqa: E402
+from mla_tune.kernels.triton import mla_decode  # noqa: E402
+from mla_tune.kernels.triton.precompile import jit_compile  # noqa: E402
+from mla_tune.machine.fingerprint import current_device  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +26,7 @@ _LAUNCH_EVERY_FORMAT = r"""
 import sys
 sys.path.insert(0, "bench")
 import benchkit
-from kernels.triton import mla_decode
+from mla_tune.kernels.triton import mla_decode
 for fmt in ("bf16", "fp8", "mxfp4"):
     shape, cfg = benchkit.parse_variant(f"{fmt}:2x64:block_n=32,num_stages=2,num_splits=2")
     data = benchkit.task_input(shape, "cpu", seed=3)

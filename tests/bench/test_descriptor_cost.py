@@ -15,7 +15,7 @@ import sys
 sys.path.insert(0, "bench")
 import torch
 import descriptor_cost
-from kernels.triton.precompile import jit_compile
+from mla_tune.kernels.triton.precompile import jit_compile
 k = jit_compile(descriptor_cost.read_tiles_own_desc, "cuda:90", (torch.uint8, torch.float32, 7),
                 dict(W=576, BN=64, DA=512, DB=64, STAGES=3, num_warps=4, num_stages=3))
 ptx = k.asm["ptx"]

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import math
 
+import fallback_regret
 import pytest
 
-import fallback_regret
-from mla_tune.dispatch import Dispatcher
-from mla_tune.problem import Shape
-from mla_tune.routing_rules import occupancy_splits
-from tests.test_dispatch import SWEPT_Q1H16, _as_h200, _triton_winner, standin  # noqa: F401
+from mla_tune.problem.shapes import Shape
+from mla_tune.runtime.dispatcher import Dispatcher
+from mla_tune.runtime.routing_rules import occupancy_splits
+from tests.runtime.test_dispatcher import (  # noqa: F401
+    SWEPT_Q1H16,
+    _as_h200,
+    _triton_winner,
+    standin,
+)
 
 CPU = "cpu"
 

@@ -29,7 +29,7 @@ def test_refuses_without_a_gpu() -> None:
 def test_write_flush_costs_a_large_read_its_write_back() -> None:
     import flush_cost
 
-    from mla_tune.timing import CudaTimer, TimingPolicy
+    from mla_tune.tuning.timing import CudaTimer, TimingPolicy
 
     dev = torch.device("cuda")
     policy = TimingPolicy(warmup=2, min_runs=20, max_runs=50, budget_s=0.2)

@@ -14,7 +14,7 @@ _CHECK = r"""
 import sys
 sys.path.insert(0, "bench")
 import kernel_phases
-from kernels.triton.precompile import jit_compile
+from mla_tune.kernels.triton.precompile import jit_compile
 md = kernel_phases.probed_module()
 for fmt, compute in (("bf16", "bf16"), ("fp8", "fp8qk")):
     cfg = md.KernelConfig(kv_format=fmt, compute=compute, block_n=64, num_stages=2)

@@ -7,8 +7,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-import benchkit  # noqa: E402
 import kernel_ptx_stats as kps  # noqa: E402
+
+import benchkit  # noqa: E402
 
 
 def _stats(text: str) -> dict[str, int]:

@@ -14,7 +14,7 @@ _CHECK = r"""
 import sys
 sys.path.insert(0, "bench")
 import program_timeline
-from kernels.triton.precompile import jit_compile
+from mla_tune.kernels.triton.precompile import jit_compile
 md = program_timeline.probed_module()
 for fmt, compute, load in (("bf16", "bf16", "tma"), ("fp8", "fp8", "tma"),
                            ("fp8", "fp8qk", "pointer")):

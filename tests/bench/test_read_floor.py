@@ -17,7 +17,7 @@ sys.path.insert(0, "bench")
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 import read_floor
-from kernels.triton.precompile import jit_compile
+from mla_tune.kernels.triton.precompile import jit_compile
 for dtype, bn, da, db in ((torch.uint8, 64, 512, 64), (torch.bfloat16, 32, 512, 64)):
     cache = torch.empty((1, da + db), dtype=dtype, device="meta")
     descs = [TensorDescriptor(cache, [1, da + db], [da + db, 1], [bn, w]) for w in (da, db)]

@@ -4,7 +4,7 @@ and a software stack in it."""
 import pytest
 
 from mla_tune.db import TuningStore
-from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint
+from mla_tune.machine.fingerprint import DeviceFingerprint, SoftwareFingerprint
 
 GPU = DeviceFingerprint("nvidia", "NVIDIA H200", "sm_90", 132, 150 << 30)
 STACK = SoftwareFingerprint((("python", "3.11.7"), ("torch", "2.9.0"), ("triton", "3.5.0")))

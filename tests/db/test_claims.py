@@ -10,7 +10,7 @@ from sqlalchemy import Engine, create_engine, event, inspect, text
 
 from mla_tune.db import TrialGroup, TrialResult, TuningStore, resolve_url
 from mla_tune.db.engine import MIGRATIONS_DIR
-from mla_tune.space import config_key
+from mla_tune.tuning.space import config_key
 from tests.db.conftest import GPU, SHAPE, SHAPE_KEY, STACK
 
 CONFIGS = [{"c": i} for i in range(4)]

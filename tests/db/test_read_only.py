@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from mla_tune.db import DBError, TrialGroup, TrialResult, TuningStore
-from mla_tune.winner_selection import update_winner
+from mla_tune.results.selection import update_winner
 from tests.db.conftest import GPU, SHAPE, SHAPE_KEY, STACK
 
 SOURCE = "abc123"

@@ -11,7 +11,7 @@ from sqlalchemy import make_url
 from typer.testing import CliRunner
 
 import mla_tune
-from mla_tune.cli import app
+from mla_tune.cli.main import app
 from mla_tune.db import DBError, TuningStore, resolve_url, shipped_db_url
 
 SHIPPED = Path(mla_tune.__file__).resolve().parent / "shipped" / "tuning.db"

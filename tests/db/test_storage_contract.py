@@ -18,8 +18,8 @@ from mla_tune.db import (
     TuningStore,
     resolve_url,
 )
-from mla_tune.fingerprint import DeviceFingerprint
-from mla_tune.winner_selection import fastest_correct, update_winner
+from mla_tune.machine.fingerprint import DeviceFingerprint
+from mla_tune.results.selection import fastest_correct, update_winner
 from tests.db.conftest import GPU, SHAPE, SHAPE_KEY, STACK
 
 CONFIGS = [{"c": i} for i in range(4)]

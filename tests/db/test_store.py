@@ -16,7 +16,7 @@ from sqlalchemy import create_engine, inspect, text
 
 from mla_tune.db import DBError, TrialGroup, TrialResult, TuningStore, resolve_url
 from mla_tune.db.models import VERSION_TABLE, Base, is_ours
-from mla_tune.fingerprint import DeviceFingerprint, SoftwareFingerprint
+from mla_tune.machine.fingerprint import DeviceFingerprint, SoftwareFingerprint
 from tests.db.conftest import GPU, SHAPE, SHAPE_KEY, STACK
 
 REPO = Path(__file__).resolve().parents[2]

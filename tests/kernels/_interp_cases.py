@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher  # noqa: E402
-from mla_tune.problem import Shape, generate_input  # noqa: E402
-from mla_tune.reference import mla_decode_reference  # noqa: E402
+from mla_tune.kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher  # noqa: E402
+from mla_tune.problem.reference import mla_decode_reference  # noqa: E402
+from mla_tune.problem.shapes import Shape, generate_input  # noqa: E402
 
 # name: (shape kwargs, kernel config kwargs)
 CASES: dict[str, tuple[dict, dict]] = {

@@ -88,7 +88,11 @@ def test_a_launcher_serves_other_lengths_of_its_batch(results: dict[str, dict]) 
 def test_merge_mode_follows_the_partials_per_sequence() -> None:
     """Fused (with the config's fast_mode) while a sequence has few partials on average,
     the second-launch merge beyond (FUSED_MAX_PARTIALS); an explicit mode wins."""
-    from kernels.triton.mla_decode import FUSED_MAX_PARTIALS, BalancedLauncher, KernelConfig
+    from mla_tune.kernels.triton.mla_decode import (
+        FUSED_MAX_PARTIALS,
+        BalancedLauncher,
+        KernelConfig,
+    )
 
     def mode(fast: bool, programs: int, batch: int, merge: str | None = None) -> str:
         return BalancedLauncher(KernelConfig(fast_mode=fast), heads=16, q_len=1, batch=batch,
@@ -105,7 +109,7 @@ def test_merge_mode_follows_the_partials_per_sequence() -> None:
 
 
 def test_bad_schedule_arguments_are_refused() -> None:
-    from kernels.triton.mla_decode import BalancedLauncher, KernelConfig
+    from mla_tune.kernels.triton.mla_decode import BalancedLauncher, KernelConfig
 
     with pytest.raises(ValueError, match="sched must be"):
         BalancedLauncher(KernelConfig(), heads=16, q_len=1, batch=2, device="cpu", sched=0)
@@ -160,14 +164,14 @@ def _run_case(name: str, fmt: str, lens: tuple[int, ...], q_len: int, page: int,
               ) -> tuple[dict, Any]:
     import torch
 
-    from kernels.triton.mla_decode import (
+    from mla_tune.kernels.triton.mla_decode import (
         SCHED_PAGED,
         SCHED_TOKENS,
         BalancedLauncher,
         KernelConfig,
     )
-    from mla_tune.problem import Shape, generate_input
-    from mla_tune.reference import mla_decode_reference
+    from mla_tune.problem.reference import mla_decode_reference
+    from mla_tune.problem.shapes import Shape, generate_input
 
     q, kv_data, qo, kvp, config = generate_input(Shape(len(lens), lens, q_len=q_len),
                                                  seed=seed)

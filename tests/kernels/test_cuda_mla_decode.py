@@ -44,9 +44,9 @@ def test_missing_knob_is_a_compile_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize("q_len, heads", [(1, 16), (4, 128)])
 def test_matches_reference_on_gpu(fmt: str, q_len: int, heads: int) -> None:
     from mla_tune.backends import get_backend
-    from mla_tune.problem import Shape, generate_input
-    from mla_tune.reference import mla_decode_reference
-    from mla_tune.verify import check, tolerance_for
+    from mla_tune.problem.reference import mla_decode_reference
+    from mla_tune.problem.shapes import Shape, generate_input
+    from mla_tune.problem.verify import check, tolerance_for
 
     b = get_backend("cuda")
     shape = Shape(4, (5, 64, 300, 1027), q_len, heads, fmt)

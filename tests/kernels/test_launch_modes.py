@@ -17,8 +17,8 @@ pytest.importorskip("triton")
 
 _PROBE = r"""
 import json
-from kernels.triton import mla_decode as md
-from kernels.triton.precompile import jit_compile
+from mla_tune.kernels.triton import mla_decode as md
+from mla_tune.kernels.triton.precompile import jit_compile
 
 out = {}
 for target in ("cuda:90", "hip:gfx950"):
@@ -89,9 +89,9 @@ def test_gpu_matches_reference_with_nan_rows_after_the_cache(kv_lens: tuple[int,
 
     if not torch.cuda.is_available() or torch.version.hip:
         pytest.skip("needs an NVIDIA GPU: TMA and PDL are sm_90 features")
-    from kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher
-    from mla_tune.problem import Shape, generate_input
-    from mla_tune.reference import mla_decode_reference
+    from mla_tune.kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher
+    from mla_tune.problem.reference import mla_decode_reference
+    from mla_tune.problem.shapes import Shape, generate_input
 
     shape = Shape(batch=len(kv_lens), kv_lens=kv_lens)
     q, kv_data, qo, kvp, config = generate_input(shape, seed=3)
@@ -113,7 +113,7 @@ def test_gpu_matches_reference_with_nan_rows_after_the_cache(kv_lens: tuple[int,
 def test_tma_refuses_paged_layouts_and_unaligned_caches() -> None:
     import torch
 
-    from kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher
+    from mla_tune.kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher
 
     with pytest.raises(ValueError, match="paged layout"):
         MlaDecodeLauncher(KernelConfig(kv_load="tma", page_size=64), heads=16, q_len=1,
@@ -146,9 +146,9 @@ def test_gpu_e4m3_path_matches_reference_with_nan_rows_after_the_cache(
 
     if not torch.cuda.is_available() or torch.version.hip:
         pytest.skip("needs an NVIDIA GPU: TMA and the e4m3 wgmma are sm_90 features")
-    from kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher
-    from mla_tune.problem import Shape, generate_input
-    from mla_tune.reference import mla_decode_reference
+    from mla_tune.kernels.triton.mla_decode import KernelConfig, MlaDecodeLauncher
+    from mla_tune.problem.reference import mla_decode_reference
+    from mla_tune.problem.shapes import Shape, generate_input
 
     shape = Shape(batch=len(kv_lens), kv_lens=kv_lens, kv_format="fp8")
     q, kv_data, qo, kvp, config = generate_input(shape, seed=3)

@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kernels.triton import mla_decode as md  # noqa: E402
+from mla_tune.kernels.triton import mla_decode as md  # noqa: E402
 
 ROWS = 16
 SCALES = [0, 1, 2, 60, 100, 120, 126, 127, 128, 129, 150, 200, 251, 252]
@@ -34,7 +34,7 @@ def _decode_probe(P, S, LO, HI, R: tl.constexpr, NV_ASM: tl.constexpr):
 def test_nvidia_decode_is_inline_ptx_and_amd_compiles_without_it() -> None:
     import torch
 
-    from kernels.triton.precompile import jit_compile
+    from mla_tune.kernels.triton.precompile import jit_compile
 
     args = (torch.uint8, torch.uint8, torch.bfloat16, torch.bfloat16)
     nv = jit_compile(_decode_probe, "cuda:90", args, dict(R=ROWS, NV_ASM=True))

@@ -20,7 +20,7 @@ def _entries(cache) -> set[str]:
 
 
 def test_target_names_follow_device_arch() -> None:
-    from kernels.triton.precompile import target_for_arch
+    from mla_tune.kernels.triton.precompile import target_for_arch
 
     assert target_for_arch("sm_90") == "cuda:90"
     assert target_for_arch("gfx950") == "hip:gfx950"
@@ -31,8 +31,8 @@ def test_target_names_follow_device_arch() -> None:
 def test_compile_ahead_fills_the_cache_once(tmp_path, monkeypatch) -> None:
     """Split and merge kernels are compiled into $TRITON_CACHE_DIR; a second compile ahead
     (a resumed sweep, another worker) is a cache hit that compiles nothing."""
-    from kernels.triton import mla_decode as md
-    from kernels.triton import static_check as sc
+    from mla_tune.kernels.triton import mla_decode as md
+    from mla_tune.kernels.triton import static_check as sc
 
     cache = tmp_path / "triton"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
@@ -59,8 +59,8 @@ def test_a_launcher_finds_the_kernels_compiled_ahead(tmp_path, monkeypatch) -> N
         pytest.skip("needs a CUDA GPU: the launch-side cache lookup runs on a device")
     from triton.runtime import driver
 
-    from kernels.triton import mla_decode as md
-    from kernels.triton import static_check as sc
+    from mla_tune.kernels.triton import mla_decode as md
+    from mla_tune.kernels.triton import static_check as sc
 
     t = driver.active.get_current_target()
     target = f"{t.backend}:{t.arch}"

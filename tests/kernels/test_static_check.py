@@ -2,7 +2,7 @@
 AMD gfx950 through Triton's cross-compilation (no GPU needed), and the precheck reports any
 that spill registers or overflow shared memory instead of letting them reach a GPU.
 
-The compiles run in child processes (`python -m mla_tune.triton_variants`, two workers, and
+The compiles run in child processes (`python -m mla_tune.tuning.triton_variants`, two workers, and
 spawned pools): Triton kernels must be defined without TRITON_INTERPRET, whatever other tests
 do. The report cache is shared by concurrent sweeps and workers, so it is tested under
 concurrency too."""
@@ -28,14 +28,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def reports() -> list[dict]:
-    proc = run_compiled(["-m", "mla_tune.triton_variants"], timeout=900)
+    proc = run_compiled(["-m", "mla_tune.tuning.triton_variants"], timeout=900)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert rows, proc.stderr[-3000:]
     return rows
 
 
 def test_default_space_is_compact() -> None:
-    from mla_tune.triton_variants import default_variants
+    from mla_tune.tuning.triton_variants import default_variants
 
     # 64 today. 16-row blocks: 12 bf16 (pointer loads and two kinds of TMA descriptors),
     # 4 MXFP4, 36 fp8 (4 compute paths, 2 conversion modes of three, TMA loads on the
@@ -54,7 +54,7 @@ def test_kernels_do_not_import_the_tuner() -> None:
 
 
 def test_every_variant_compiles_for_both_targets(reports: list[dict]) -> None:
-    from mla_tune.triton_variants import default_variants
+    from mla_tune.tuning.triton_variants import default_variants
 
     failed = [(r["config"], r["report"]["error"]) for r in reports if not r["report"]["ok"]]
     assert not failed, failed[:3]
@@ -63,7 +63,7 @@ def test_every_variant_compiles_for_both_targets(reports: list[dict]) -> None:
 
 
 def test_resources_are_recorded_and_problems_reported(reports: list[dict]) -> None:
-    from kernels.triton.static_check import SHARED_LIMIT, CompileReport
+    from mla_tune.kernels.triton.static_check import SHARED_LIMIT, CompileReport
 
     for row in reports:
         rep = CompileReport(**row["report"])
@@ -97,7 +97,7 @@ BOTH = ("cuda:90", "hip:gfx950")
 def test_measured_best_variants_are_clean(reports: list[dict], variant: tuple,
                                           targets: tuple[str, ...]) -> None:
     """The variants the H200 measurements favour must not be pruned on the targets named."""
-    from kernels.triton.static_check import CompileReport
+    from mla_tune.kernels.triton.static_check import CompileReport
 
     good = {r["report"]["target"]: CompileReport(**r["report"]) for r in reports
             if (r["config"]["kv_format"], r["config"]["compute"], r["config"]["block_m"],
@@ -111,14 +111,14 @@ def test_measured_best_variants_are_clean(reports: list[dict], variant: tuple,
 
 def _tiny():
     """The cheapest default-space variant to compile (bf16, 32-token tiles)."""
-    from kernels.triton.mla_decode import KernelConfig
+    from mla_tune.kernels.triton.mla_decode import KernelConfig
 
     return KernelConfig(kv_format="bf16", compute="bf16", block_n=32, num_stages=2)
 
 
 def _check_tiny(_: int) -> tuple[str | None, list[dict]]:
     """In a pool worker: `check` then `compile_variant` of the tiny variant, both targets."""
-    from kernels.triton import static_check as sc
+    from mla_tune.kernels.triton import static_check as sc
 
     problem = sc.check(_tiny(), list(sc.TARGETS))
     return problem, [asdict(sc.compile_variant(_tiny(), t)) for t in sc.TARGETS]
@@ -131,7 +131,7 @@ def _resources(rep: dict) -> tuple:
 def test_cache_entries_are_replaced_atomically(tmp_path: Path) -> None:
     """Readers racing writers of one entry always read a whole report, never a partial
     file (which used to escape `precheck` and store the candidate as failed)."""
-    from kernels.triton.static_check import CompileReport, _read_cache, _write_cache
+    from mla_tune.kernels.triton.static_check import CompileReport, _read_cache, _write_cache
 
     path = tmp_path / "static" / "entry.json"
     reports = [CompileReport("cuda:90", True, 100 + i, 0, 1000 * i, seconds=0.5)
@@ -167,7 +167,7 @@ def test_cache_entries_are_replaced_atomically(tmp_path: Path) -> None:
                                   '{"target": "cuda:90", "bogus": 1}',
                                   '{"target": "hip:gfx950", "ok": true}', "\udcff"])
 def test_unreadable_cache_entries_are_misses(tmp_path: Path, text: str) -> None:
-    from kernels.triton.static_check import _read_cache
+    from mla_tune.kernels.triton.static_check import _read_cache
 
     path = tmp_path / "e.json"
     path.write_text(text, errors="surrogateescape")
@@ -179,7 +179,7 @@ def test_concurrent_checks_of_one_variant_agree_and_corrupt_entries_are_rewritte
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Several processes check the same variant at once on a fresh cache: all succeed with
     the same resources. A corrupt entry is then recompiled and rewritten, not an error."""
-    from kernels.triton import static_check as sc
+    from mla_tune.kernels.triton import static_check as sc
 
     monkeypatch.setenv("MLA_TUNE_CACHE", str(tmp_path))  # read by the spawned workers
     ctx = multiprocessing.get_context("spawn")

@@ -16,8 +16,9 @@ pytest.importorskip("triton")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import benchkit  # noqa: E402
 import kernel_ptx_stats as kps  # noqa: E402
+
+import benchkit  # noqa: E402
 
 
 @functools.cache

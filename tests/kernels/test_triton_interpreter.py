@@ -57,7 +57,7 @@ def test_case_matches_reference(results: dict[str, dict], name: str) -> None:
 
 def test_tma_cases_run_the_descriptors_their_knob_names(results: dict[str, dict]) -> None:
     # The nan-tail cases above check isolation in both modes only if each ran its own mode.
-    from kernels.triton.mla_decode import TMA_HOST_DESC, TMA_KERNEL_DESC
+    from mla_tune.kernels.triton.mla_decode import TMA_HOST_DESC, TMA_KERNEL_DESC
 
     modes = {name: (r["tma"], CASES[name][1]["kv_load"]) for name, r in results.items()
              if "_tma_" in name}

@@ -11,12 +11,15 @@ writes into a Triton object's memory. From the repository root, on a GPU:
     cp bench/results/patches/tma_host_l2_promotion.py bench/_promo.py
     python3 bench/_promo.py "fp8:256x8192:compute=fp8,block_n=64,num_stages=3,num_splits=1,fast_mode=1"
 """
-import ctypes, sys
-import benchkit
+import ctypes
+import sys
+
 import torch
 from triton.runtime import driver
-from kernels.triton import mla_decode as md
-from mla_tune.timing import CudaTimer, TimingPolicy
+
+import benchkit
+from mla_tune.kernels.triton import mla_decode as md
+from mla_tune.tuning.timing import CudaTimer, TimingPolicy
 
 lib = ctypes.CDLL("libcuda.so.1")
 utils = driver.active.utils

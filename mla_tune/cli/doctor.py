@@ -1,0 +1,69 @@
+"""`mla-tune doctor`: device, versions, usable backends and stored winners."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from mla_tune.cli.common import DB_HELP, app, default_device, fail, out
+
+
+@app.command()
+def doctor(device: str | None = typer.Option(None, help="cuda or cpu."),
+           db: str | None = typer.Option(None, help=DB_HELP)) -> None:
+    """Device, versions, which backends are available (and why not), and how many stored
+    winners the dispatcher would use here."""
+    import torch
+
+    from mla_tune.backends import backend_names, get_backend
+    from mla_tune.db import resolve_url
+    from mla_tune.machine.fingerprint import current_device, current_software
+    from mla_tune.runtime.dispatcher import Dispatcher
+
+    try:
+        dev = torch.device(device or default_device())
+        fp = current_device(dev)
+    except (RuntimeError, ValueError) as exc:
+        fail(f"cannot use device {device!r}: {exc}; use cpu, cuda or cuda:N")
+    out.print(f"device: {fp.name} ({fp.vendor}, {fp.arch}, {fp.sm_count} SMs/cores, "
+              f"{fp.memory_bytes / 2**30:.1f} GiB) fingerprint {fp.hash}")
+    sw = current_software()
+    out.print("software: " + ", ".join(f"{k} {v}" for k, v in sw.versions))
+    out.print(f"tuning DB: {resolve_url(db).render_as_string(hide_password=True)}")
+    out.print(f"winners usable here: {Dispatcher.from_db(db, dev).summary()}", highlight=False)
+    stale, retired = _stale_and_retired_trials(db)
+    if stale:
+        out.print(f"{stale} stored trials are of this checkout's kernel code under its old "
+                  "(bytes) source hash (`mla-tune rehash` renames them)", highlight=False)
+    if retired:
+        out.print(f"{retired} stored trials are of retired kernel sources (`mla-tune prune` "
+                  "lists and deletes them)", highlight=False)
+    table = Table(title="backends")
+    for col in ("backend", "available", "why not"):
+        table.add_column(col)
+    for name in backend_names():
+        try:
+            avail = get_backend(name).available(dev)
+            table.add_row(name, "yes" if avail else "no", avail.reason)
+        except Exception as exc:  # noqa: BLE001 - doctor reports, never crashes
+            table.add_row(name, "no", f"{type(exc).__name__}: {exc}")
+    out.print(table)
+    from mla_tune.backends.compiled_toolchain import compilers_summary
+
+    out.print(f"compiled-source families: {compilers_summary()}", highlight=False)
+
+
+def _stale_and_retired_trials(db: str | None) -> tuple[int, int]:
+    """Trials `rehash` would rename and trials `prune` would delete (read-only; zeros when
+    the DB cannot be read)."""
+    from mla_tune.backends import source_hash_pairs
+    from mla_tune.db import DBError, TuningStore
+    from mla_tune.results.prune import retired_trials, unrenamed_trials
+
+    pairs = source_hash_pairs()
+    try:
+        with TuningStore(db, read_only=True) as store:
+            return (unrenamed_trials(store, pairs),
+                    retired_trials(store, {b: new for b, (_, new) in pairs.items()}))
+    except DBError:
+        return 0, 0

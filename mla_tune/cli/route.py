@@ -1,0 +1,64 @@
+"""`mla-tune route`: which variant a call of a given shape would run, and why, without
+running or building anything. Kept out of cli.py so the dispatcher's dependencies load
+only when this command runs."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+
+from mla_tune.problem.shapes import KVFormat, ShapeError, parse_shape
+
+# Configs and file names are printed as they are: no markup, no :emoji: codes.
+_out = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
+
+
+def route(
+    shape: str = typer.Option(..., "--shape", "-s", help="BATCHxKV, e.g. 4x1024."),
+    kv_format: str = typer.Option("auto", "--kv-format", "-f",
+                                  help="bf16, fp8, mxfp4, or auto (the dispatcher's policy "
+                                       "over all three)."),
+    heads: int = typer.Option(16, help="Query heads."),
+    q_len: int = typer.Option(1, "--q-len", help="Query tokens per sequence (1-4)."),
+    db: str | None = typer.Option(None, help="Tuning DB: a SQLAlchemy URL or a SQLite file "
+                                             "path (default: $MLA_TUNE_DB or tuning.db)."),
+    winners: str | None = typer.Option(None, help="Route from this winners JSON file "
+                                                  "instead of the DB."),
+    device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)."),
+) -> None:
+    """Print which variant a call of this shape would run, why, and what it falls back to."""
+    import torch
+
+    from mla_tune.cli.common import fail
+    from mla_tune.runtime.dispatcher import FORMAT_ORDER, Dispatcher
+
+    try:
+        base = parse_shape(shape, q_len=q_len, heads=heads)
+        fmt = None if kv_format.strip().lower() == "auto" else KVFormat.parse(kv_format)
+    except (ShapeError, ValueError) as e:
+        fail(str(e))
+    if device is not None and device.startswith("cuda") and not torch.cuda.is_available():
+        fail("--device cuda was asked for but torch sees no GPU; use --device cpu")
+    try:
+        d = (Dispatcher.from_json(winners, device) if winners
+             else Dispatcher.from_db(db, device))
+    except ValueError as e:  # a bad MLA_TUNE_FORCE, or a device that cannot be used
+        fail(str(e))
+    _out.print(f"table: {d.summary()}")
+    formats = [fmt] if fmt is not None else list(FORMAT_ORDER)
+    for f in formats:
+        chain = d.decisions(base.with_format(f))
+        first = chain[0]
+        _out.print(f"{first.shape.label()}: {first.backend} {_cfg(first.config)}")
+        _out.print(f"  why: {first.reason}: {first.detail}")
+        for alt in chain[1:]:
+            _out.print(f"  if that fails: {alt.backend} {_cfg(alt.config)} ({alt.reason})")
+    if fmt is None:
+        chosen = d.choose_format(base, [f.value for f in FORMAT_ORDER])
+        _out.print(f"a task call holding all formats runs {chosen.value} (fastest exact "
+                   "winner, else nearest-shape estimate; untuned formats rank bf16, fp8, "
+                   "mxfp4)")
+
+
+def _cfg(config: dict[str, object]) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(config.items()))

@@ -1,0 +1,504 @@
+"""`MLADecodeWrapper`: tuned MLA decode over a paged KV pool, with FlashInfer's plan/run shape.
+
+A server that uses `flashinfer.mla.BatchMLAPagedAttentionWrapper` switches with a few lines:
+
+    from mla_tune import MLADecodeWrapper
+    w = MLADecodeWrapper(kv_format="bf16", num_heads=16, q_len=1, page_size=64, device="cuda")
+    w.plan(qo_indptr, kv_indptr, kv_indices, kv_lens)   # page table as FlashInfer takes it
+    out = w.run(q, kv_cache)                             # (total_q, H, 512) bf16
+
+Page table: sequence b owns pages `kv_indices[kv_indptr[b]:kv_indptr[b+1]]` of the pool, in
+order, anywhere in it; `kv_lens[b]` is its length in tokens (at most its pages' capacity).
+`qo_indptr` is `arange(batch + 1) * q_len`. Each may be a CPU or a device tensor.
+The block-table form of vLLM and FlashMLA (`block_table (batch, max_blocks)`, `seq_lens`)
+goes through `plan_block_table`, which is the same call with `kv_indices =
+block_table.flatten()` and `kv_indptr = arange(batch + 1) * max_blocks` (entries past a
+sequence's last page are never read and may hold anything, -1 included).
+
+Pools (`run`'s `kv_cache`): bf16 `(num_pages, page_size, 576)`; fp8 `(pool, scale)` with
+`scale` a `(1,)` float32; MXFP4 `(packed, scales)` with packed `(num_pages, page_size, 288)`
+uint8 and one row of E8M0 bytes per token slot, `(num_pages * page_size, >= 18)`.
+
+Routing (mla_tune/runtime/buckets.py): a plan's bucket comes from host-visible metadata only: the
+batch, the page size, and the mean length (from `kv_lens` when it is on the host, else
+from the number of pages). Each bucket's runner is built once and reads the metadata as
+given: its kernels compute their schedule from the lengths on the device (the Triton
+family's balanced schedule, kernels/triton/mla_decode.py), so `plan` launches nothing and
+allocates nothing; it checks and records the four tensors, and `run` is the decode
+launch(es) only. Metadata the kernels cannot read as given (on the host, int64, not
+contiguous or not 16-byte aligned) is copied into the wrapper's own buffers for the
+bucket, one small launch where it is on the device (kernels/triton/serving_plan.py). A
+plan whose mean length leaves the bucket picks another runner: `wrapper.bucket` says
+which.
+
+CUDA graphs. `run` captured in a graph reads the tensors of the plan before the capture
+at every replay. Either write each later step's metadata into those same tensors (what
+servers do with their graph-static buffers) and plan with them: a later plan of that
+bucket with other tensors raises ValueError instead of replaying stale addresses; or
+construct with `use_cuda_graph=True` (FlashInfer's flag): every plan then copies the
+metadata into the wrapper's buffers (one small launch) and the graph reads only those,
+whatever tensors later plans bring.
+
+Checks. `run` checks `q` and the pool (dtype, shape, device, layout, 16-byte alignment)
+and raises ValueError before any launch (a pool object checked once is not checked again,
+nor a `q` whose storage has not moved: each tensor query costs host time). `plan` checks the
+page table in full (indptr monotone and ending at the number of indices, every length >=
+q_len and within its pages, every used page index >= 0 and, at `run`, inside the pool):
+on host tensors for free; device tensors are copied to the host for it, a
+synchronization, unless `plan(..., check=False)` says they were checked already (serving
+loops under `torch.cuda.set_sync_debug_mode("error")` or CUDA graphs). The returned output
+is the runner's own buffer, overwritten by the next `run` of its bucket: copy what you
+keep.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mla_tune.problem.shapes import MAX_Q_LEN, QK_HEAD_DIM, KVFormat
+from mla_tune.runtime.buckets import Bucket, BucketEdges, BucketRouter, BucketRunner, router_for
+
+_FP8 = frozenset({torch.float8_e4m3fn, torch.float8_e4m3fnuz})
+_U8 = frozenset({torch.uint8} | ({torch.float4_e2m1fn_x2}
+                                 if hasattr(torch, "float4_e2m1fn_x2") else set()))
+_E8M0 = frozenset({torch.uint8} | ({torch.float8_e8m0fnu}
+                                   if hasattr(torch, "float8_e8m0fnu") else set()))
+_INTS = (torch.int32, torch.int64)
+_I32 = torch.int32
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
+"""Whether the current CUDA stream is capturing a graph (torch.cuda's own query, without
+its Python frame)."""
+_NAMES = ("qo_indptr", "kv_lens", "kv_indptr", "kv_indices")
+
+
+class _Route:
+    """A bucket's runner and the state plans and runs of that bucket share: the wrapper's
+    copy buffers (made on first need) with their addresses, the metadata addresses CUDA
+    graphs captured, and the last pool seen with its parts and addresses."""
+
+    __slots__ = ("bucket", "runner", "paged", "launch", "dummies", "q_shape", "buffers",
+                 "captured", "pool", "pool_parts", "pool_ptrs")
+
+    def __init__(self, bucket: Bucket, runner: BucketRunner) -> None:
+        self.bucket, self.runner, self.paged = bucket, runner, runner.paged
+        launcher = getattr(runner, "launcher", None)
+        # The Triton runner on a GPU launches from integer pointers (no tensor queries).
+        self.launch = getattr(launcher, "launch_ptrs", None)
+        self.dummies = launcher.dummy_ptrs if self.launch is not None else (0, 0, 0)
+        self.q_shape = torch.Size((bucket.batch * bucket.q_len, bucket.heads, QK_HEAD_DIM))
+        self.buffers: dict[int, tuple[tuple[torch.Tensor, ...], tuple[int, ...]]] = {}
+        self.captured: set[tuple[int, ...]] = set()
+        self.pool: Any = None
+        self.pool_parts: tuple = ()
+        self.pool_ptrs: tuple[int, ...] = ()
+
+
+class MLADecodeWrapper:
+    """Paged MLA decode through tuned bucket runners (module docstring: the contract)."""
+
+    def __init__(self, kv_format: KVFormat | str = "bf16", num_heads: int = 16,
+                 q_len: int = 1, page_size: int = 1,
+                 device: str | torch.device | None = None, *, dispatcher: Any = None,
+                 db: str | None = None, winners: str | None = None,
+                 edges: BucketEdges | None = None, check_inputs: bool = True,
+                 use_cuda_graph: bool = False) -> None:
+        """Winners come from `dispatcher`, else a winners JSON file `winners`, else the
+        tuning DB `db` (a URL, a path, or 'shipped'; None: the Dispatcher's default)."""
+        from mla_tune.runtime.dispatcher import Dispatcher
+
+        self.kv_format = KVFormat.parse(kv_format) if isinstance(kv_format, str) \
+            else KVFormat(kv_format)
+        if type(num_heads) is not int or num_heads < 1:
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        if type(q_len) is not int or not 1 <= q_len <= MAX_Q_LEN:
+            raise ValueError(f"q_len must be an int in 1..{MAX_Q_LEN}, got {q_len!r}")
+        if type(page_size) is not int or page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two >= 1, got {page_size!r}")
+        self.heads, self.q_len, self.page_size = num_heads, q_len, page_size
+        if dispatcher is None:
+            if winners is not None:
+                dispatcher = Dispatcher.from_json(winners, device)
+            else:
+                dispatcher = Dispatcher.from_db(db, device)
+        self.dispatcher = dispatcher
+        self.device: torch.device = dispatcher.device
+        self._dev = self.device.index if self.device.type != "cpu" else -1
+        if self._dev is None:
+            self._dev = torch.cuda.current_device()
+        self._cuda = self.device.type == "cuda"
+        self.router: BucketRouter = router_for(dispatcher)
+        if edges is not None:
+            self.router = BucketRouter(dispatcher, edges)
+        self.check_inputs = check_inputs
+        self.use_cuda_graph = use_cuda_graph
+        self._direct = not use_cuda_graph
+        self._runners: dict[tuple[Any, ...], BucketRunner] = {}
+        self._routes: dict[tuple[int, int], _Route] = {}
+        self._aranges: dict[tuple[int, int, bool], torch.Tensor] = {}
+        self._route: _Route | None = None
+        self._bound: tuple[torch.Tensor, ...] = ()
+        self._nnz = 0
+        self._ptrs: tuple[int, ...] = ()
+        self._key: tuple[int, ...] = ()
+        self._max_len = 0
+        self._max_page = -1
+        self._q: Any = None
+        self._q_ptr = 0
+        self._plan_kernel: Any = False
+        self._kv_class = self.router.edges.kv_class
+
+    @property
+    def builds(self) -> int:
+        """Runners built so far by this wrapper's router (flat inside a bucket)."""
+        return self.router.builds
+
+    @property
+    def bucket(self) -> Bucket | None:
+        """The bucket of the last plan."""
+        return None if self._route is None else self._route.bucket
+
+    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+             kv_indices: torch.Tensor, kv_lens: torch.Tensor | Sequence[int], *,
+             check: bool = True) -> None:
+        """Take this step's page table (module docstring): choose the bucket's runner
+        (built on the bucket's first plan) and record the metadata it reads."""
+        if not check and self._plan_fast(qo_indptr, kv_indptr, kv_indices, kv_lens):
+            return
+        if not isinstance(kv_lens, torch.Tensor):
+            kv_lens = torch.tensor(list(kv_lens), dtype=torch.int32)
+        meta = (qo_indptr, kv_lens, kv_indptr, kv_indices)
+        dev = self._dev
+        bind = not self.use_cuda_graph
+        host = False
+        for t in meta:
+            if not isinstance(t, torch.Tensor) or t.dtype not in _INTS or t.dim() != 1:
+                self._bad_meta(meta)
+            if t.get_device() != dev:
+                if t.is_cuda:
+                    self._bad_meta(meta)
+                bind, host = False, True
+            elif bind and (t.dtype is not torch.int32 or t.data_ptr() & 15
+                           or not t.is_contiguous()):
+                bind = False
+        batch = kv_indptr.shape[0] - 1
+        nnz = kv_indices.shape[0]
+        if batch < 1 or qo_indptr.shape[0] != batch + 1 or kv_lens.shape[0] != batch \
+                or nnz < 1:
+            self._bad_meta(meta)
+        page = self.page_size
+        host_lens = kv_lens.get_device() < 0
+        if check:
+            self._max_page, self._max_len = _check_table(
+                qo_indptr, kv_indptr, kv_indices, kv_lens, self.q_len, page)
+        else:
+            self._max_page = -1
+            self._max_len = int(kv_lens.max()) if host_lens else nnz * page
+        total = int(kv_lens.sum()) if host_lens else nnz * page  # pages: an upper bound
+        hi = self.router.edges.kv_class(max(total, batch * self.q_len) / batch)[1]
+        route = self._routes.get((batch, hi))
+        if route is None:
+            route = self._new_route(batch, hi)
+        if bind:
+            key = (qo_indptr.data_ptr(), kv_lens.data_ptr(), kv_indptr.data_ptr(),
+                   kv_indices.data_ptr())
+            if route.captured and key not in route.captured:
+                raise ValueError(
+                    f"bucket {route.bucket.label()}: a CUDA graph captured run with other "
+                    "metadata tensors, and replays read those: write the new page table "
+                    "into the captured tensors and plan with them, or construct the "
+                    "wrapper with use_cuda_graph=True")
+            self._bound, self._ptrs, self._key = meta, key, key
+        else:
+            bufs, self._ptrs = self._copy(route, meta, nnz, host)
+            self._bound, self._key = bufs, ()
+        self._nnz, self._route = nnz, route
+
+    def _plan_fast(self, qo: Any, ptr: Any, idx: Any, lens: Any) -> bool:
+        """`plan(check=False)` of int32, 1-D, contiguous, 16-byte aligned metadata on the
+        GPU for a bucket seen before: the serving step, in as few tensor queries as it
+        takes (each costs host time): direct reads, or with `use_cuda_graph` one copy
+        launch. False: take the general path (which explains any refusal)."""
+        dev = self._dev
+        try:
+            if not (lens.dtype is _I32 and idx.dtype is _I32 and ptr.dtype is _I32
+                    and qo.dtype is _I32 and lens.get_device() == dev
+                    and idx.get_device() == dev >= 0 and ptr.get_device() == dev
+                    and qo.get_device() == dev):
+                return False
+            (n_ptr,), (nnz,), (n_lens,), (n_qo,) = ptr.shape, idx.shape, lens.shape, qo.shape
+        except (AttributeError, ValueError):
+            return False
+        key = (qo.data_ptr(), lens.data_ptr(), ptr.data_ptr(), idx.data_ptr())
+        batch = n_ptr - 1
+        if (key[0] | key[1] | key[2] | key[3]) & 15 or batch < 1 or n_qo != n_ptr \
+                or n_lens != batch or nnz < 1 or not (qo.is_contiguous()
+                                                      and lens.is_contiguous()
+                                                      and ptr.is_contiguous()
+                                                      and idx.is_contiguous()):
+            return False
+        total = nnz * self.page_size  # pages: an upper bound on the tokens
+        q_tokens = batch * self.q_len
+        hi = self._kv_class(-(-(total if total > q_tokens else q_tokens) // batch))[1]
+        route = self._routes.get((batch, hi))
+        if route is None:
+            return False
+        if self._direct:
+            if route.captured and key not in route.captured:
+                return False
+            self._bound, self._ptrs, self._key = (qo, lens, ptr, idx), key, key
+        else:
+            planner = self._planner()
+            if planner is None:
+                return False
+            bufs, bptrs = self._buffers(route, nnz)
+            planner.launch_ptrs(key[1], key[3], key[2], key[0], bptrs[1], bptrs[3],
+                                bptrs[2], bptrs[0], batch, nnz)
+            self._bound, self._ptrs, self._key = bufs, bptrs, ()
+        self._max_page, self._max_len, self._nnz, self._route = -1, total, nnz, route
+        return True
+
+    def _bad_meta(self, meta: tuple) -> None:
+        """Raise the ValueError that says what is wrong with a plan's metadata."""
+        for t, n in zip(meta, _NAMES):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype not in _INTS or t.dim() != 1:
+                raise ValueError(f"{n} must be a 1-D int32 tensor, got {t.dtype} of shape "
+                                 f"{tuple(t.shape)}")
+            if t.device.type != "cpu" and t.device != self.device:
+                raise ValueError(f"{n} is on {t.device}; the wrapper runs on {self.device}")
+        qo, lens, ptr, idx = meta
+        batch = ptr.numel() - 1
+        if batch < 1:
+            raise ValueError("kv_indptr needs batch + 1 >= 2 entries")
+        if idx.numel() < 1:
+            raise ValueError("kv_indices is empty: every sequence needs at least one page")
+        raise ValueError(f"kv_indptr gives batch {batch}; qo_indptr has {qo.numel()} entries "
+                         f"(want {batch + 1}), kv_lens {lens.numel()} (want {batch})")
+
+    def _new_route(self, batch: int, hi: int) -> _Route:
+        """The runner of a bucket (built on first use) and its shared state."""
+        lo = self.router.edges.kv_class(hi)[0]
+        bucket = Bucket(batch, lo, hi, self.q_len, self.heads, self.kv_format, self.page_size)
+        runner = self.router.runner(bucket, paged=True, cache=self._runners)
+        route = self._routes[(batch, hi)] = _Route(bucket, runner)
+        return route
+
+    def _buffers(self, route: _Route, nnz: int) -> tuple[tuple[torch.Tensor, ...],
+                                                          tuple[int, ...]]:
+        """The route's own int32 (qo_indptr, lens, kv_indptr, kv_indices) buffers and their
+        addresses, sized once per page capacity: a batch of the bucket's pages, or the
+        next power of two for a wider block table."""
+        b = route.bucket
+        cap = b.batch * -(-b.kv_hi // self.page_size) + b.batch
+        if nnz > cap:
+            cap = 1 << (nnz - 1).bit_length()
+        got = route.buffers.get(cap)
+        if got is None:
+            z = lambda n: torch.zeros(n, dtype=torch.int32, device=self.device)  # noqa: E731
+            bufs = (z(b.batch + 1), z(b.batch), z(b.batch + 1), z(cap))
+            got = route.buffers[cap] = (bufs, tuple(t.data_ptr() for t in bufs))
+        return got
+
+    def _copy(self, route: _Route, meta: tuple, nnz: int, host: bool
+              ) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
+        """The metadata copied into the route's own buffers: (buffers, their addresses)."""
+        bufs, ptrs = self._buffers(route, nnz)
+        qo, lens, ptr, idx = meta
+        planner = None if host else self._planner()
+        if planner is not None and planner.aligned(*meta):
+            planner(lens, idx, ptr, qo, bufs[1], bufs[3], bufs[2], bufs[0])
+        else:
+            nb = self._cuda
+            for src, dst in zip(meta, bufs):
+                dst[:src.shape[0]].copy_(src.to(torch.int32) if src.get_device() < 0 else src,
+                                         non_blocking=nb)
+        return bufs, ptrs
+
+    def _planner(self) -> Any:
+        """The copy kernel's launcher where Triton runs (a CUDA device, or the
+        interpreter on CPU), else None (torch copies instead)."""
+        if self._plan_kernel is False:
+            self._plan_kernel = None
+            interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+            if self._cuda or interp:
+                try:
+                    from mla_tune.kernels.triton.serving_plan import ServingPlanLauncher
+
+                    self._plan_kernel = ServingPlanLauncher(self.device)
+                except Exception:  # noqa: BLE001 - no Triton: the torch copies do the same
+                    self._plan_kernel = None
+        return self._plan_kernel
+
+    def plan_block_table(self, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                         qo_indptr: torch.Tensor | None = None, *, check: bool = True) -> None:
+        """The block-table form (vLLM, FlashMLA): `block_table[b, k]` is the k-th page of
+        sequence b. Same as `plan` with `kv_indices = block_table.flatten()` and
+        `kv_indptr = arange(batch + 1) * max_blocks` (module docstring)."""
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+            raise ValueError("block_table must be a 2-D (batch, max_blocks) int tensor")
+        batch, width = block_table.shape
+        on_host = block_table.get_device() < 0
+        indptr = self._arange(batch, width, on_host)
+        if qo_indptr is None:
+            qo_indptr = self._arange(batch, self.q_len, on_host)
+        self.plan(qo_indptr, indptr, block_table.reshape(-1), seq_lens, check=check)
+
+    def _arange(self, batch: int, step: int, on_host: bool) -> torch.Tensor:
+        """`arange(batch + 1) * step` int32 on the host or the device, made once."""
+        key = (batch, step, on_host)
+        t = self._aranges.get(key)
+        if t is None:
+            t = torch.arange(batch + 1, dtype=torch.int32) * step
+            t = self._aranges[key] = t if on_host else t.to(self.device)
+        return t
+
+    def run(self, q: torch.Tensor, kv_cache: Any) -> torch.Tensor:
+        """Decode attention of the planned batch: `(total_q, H, 512)` bf16 (the runner's
+        buffer; module docstring)."""
+        route = self._route
+        if route is None:
+            raise ValueError("run before plan: call plan(qo_indptr, kv_indptr, kv_indices, "
+                             "kv_lens) first")
+        if kv_cache is not route.pool:
+            self._new_pool(route, kv_cache)
+        if self.check_inputs:
+            if self._max_page >= route.pool_ptrs[4]:
+                raise ValueError(f"the page table uses page {self._max_page}; the pool has "
+                                 f"{route.pool_ptrs[4]} pages")
+            # A tensor checked before is checked again only if its storage moved.
+            if q is not self._q or q.data_ptr() != self._q_ptr or q.shape != route.q_shape:
+                if type(q) is not torch.Tensor or q.dtype is not torch.bfloat16 \
+                        or q.shape != route.q_shape or q.get_device() != self._dev \
+                        or not q.is_contiguous() or q.data_ptr() & 15:
+                    self._bad_q(q, route)
+                self._q, self._q_ptr = q, q.data_ptr()
+            q_ptr = self._q_ptr
+        else:
+            q_ptr = q.data_ptr() if route.launch is not None else 0
+        if self._key and self._cuda and _capturing():
+            route.captured.add(self._key)
+        if route.launch is not None:
+            kv_p, scale_p, sc_p, sc_stride = route.pool_ptrs[:4]
+            qo_p, lens_p, ptr_p, idx_p = self._ptrs
+            return route.launch(q_ptr, kv_p, scale_p, sc_p, sc_stride, qo_p, lens_p, idx_p,
+                                ptr_p)
+        kv, scale, sc = route.pool_parts
+        qo, lens, ptr, idx = self._bound
+        return route.paged(q, kv, scale, sc, qo, lens, ptr, idx[:self._nnz], self._max_len)
+
+    def _new_pool(self, route: _Route, kv_cache: Any) -> None:
+        """Check (with check_inputs) and record a pool run has not seen before: its parts
+        and addresses (the dummies' where it has no scale or scales), its page count."""
+        parts = self._pool(kv_cache) if self.check_inputs else _unpack(self.kv_format,
+                                                                       kv_cache)
+        kv, scale, sc = parts
+        if route.launch is not None and (kv.data_ptr() | (0 if scale is None else
+                                                          scale.data_ptr())
+                                         | (0 if sc is None else sc.data_ptr())) & 15:
+            raise ValueError("the pool's tensors must be 16-byte aligned (the kernels are "
+                             "compiled for it)")
+        d_scale, d_sc, _ = route.dummies
+        route.pool_ptrs = (kv.data_ptr(), d_scale if scale is None else scale.data_ptr(),
+                           d_sc if sc is None else sc.data_ptr(),
+                           0 if sc is None else sc.stride(0), kv.shape[0])
+        route.pool_parts, route.pool = parts, kv_cache
+
+    def _bad_q(self, q: Any, route: _Route) -> None:
+        want = (route.bucket.batch * self.q_len, self.heads, QK_HEAD_DIM)
+        got = (f"{q.dtype} {tuple(q.shape)} on {q.device}" if isinstance(q, torch.Tensor)
+               else type(q).__name__)
+        raise ValueError(f"q must be a contiguous bfloat16 tensor of shape {want} on "
+                         f"{self.device}; got {got}")
+
+    def _pool(self, kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor | None,
+                                            torch.Tensor | None]:
+        """Check the pool of this format and page size; (values, fp8 scale, MXFP4 scales)."""
+        fmt, page = self.kv_format, self.page_size
+        if fmt is KVFormat.BF16:
+            kv, scale, sc = kv_cache, None, None
+            dtypes, width = {torch.bfloat16}, QK_HEAD_DIM
+        else:
+            if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
+                raise ValueError(f"a {fmt.value} kv_cache is a (values, scale) pair")
+            kv = kv_cache[0]
+            scale, sc = (kv_cache[1], None) if fmt is KVFormat.FP8 else (None, kv_cache[1])
+            dtypes, width = (_FP8, QK_HEAD_DIM) if fmt is KVFormat.FP8 else \
+                (_U8, QK_HEAD_DIM // 2)
+        if not isinstance(kv, torch.Tensor) or kv.dtype not in dtypes or kv.dim() != 3 \
+                or kv.shape[1] != page or kv.shape[2] != width or not kv.is_contiguous() \
+                or kv.device != self.device:
+            got = (f"{kv.dtype} {tuple(kv.shape)} on {kv.device}"
+                   if isinstance(kv, torch.Tensor) else type(kv).__name__)
+            raise ValueError(f"the {fmt.value} pool must be a contiguous "
+                             f"(num_pages, {page}, {width}) tensor of "
+                             f"{'/'.join(sorted(map(str, dtypes)))} on {self.device}; got {got}")
+        pages = kv.shape[0]
+        if fmt is KVFormat.FP8:
+            if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 \
+                    or scale.numel() != 1 or scale.device != self.device:
+                raise ValueError("the fp8 scale must be a (1,) float32 tensor on "
+                                 f"{self.device}")
+        elif fmt is KVFormat.MXFP4:
+            if not isinstance(sc, torch.Tensor) or sc.dtype not in _E8M0 or sc.dim() != 2 \
+                    or sc.shape[0] < pages * page or sc.shape[1] < QK_HEAD_DIM // 32 \
+                    or sc.stride(1) != 1 or sc.device != self.device:
+                raise ValueError(f"the MXFP4 scales must be a ({pages * page}, >= 18) uint8 "
+                                 f"tensor (one row per token slot, rows contiguous) on "
+                                 f"{self.device}")
+            if kv.dtype != torch.uint8:
+                kv = kv.view(torch.uint8)
+            if sc.dtype != torch.uint8:
+                sc = sc.view(torch.uint8)
+        return kv, scale, sc
+
+
+def _unpack(fmt: KVFormat, kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                   torch.Tensor | None]:
+    """The pool's parts unchecked (`check_inputs=False`)."""
+    if fmt is KVFormat.BF16:
+        return kv_cache, None, None
+    if fmt is KVFormat.FP8:
+        return kv_cache[0], kv_cache[1], None
+    kv, sc = kv_cache
+    return (kv if kv.dtype == torch.uint8 else kv.view(torch.uint8)), None, \
+        (sc if sc.dtype == torch.uint8 else sc.view(torch.uint8))
+
+
+def _check_table(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                 kv_lens: torch.Tensor, q_len: int, page: int) -> tuple[int, int]:
+    """Check a page table on the host; (largest used page index, longest length)."""
+    qo, ptr = qo_indptr.cpu().long(), kv_indptr.cpu().long()
+    idx, lens = kv_indices.cpu().long(), kv_lens.cpu().long()
+    batch = ptr.numel() - 1
+    if not torch.equal(qo, torch.arange(batch + 1) * q_len):
+        raise ValueError(f"qo_indptr must be arange(batch + 1) * q_len (q_len {q_len}); got "
+                         f"{qo[:8].tolist()}...")
+    if int(ptr[0]) != 0 or bool((ptr[1:] < ptr[:-1]).any()) or int(ptr[-1]) != idx.numel():
+        raise ValueError(f"kv_indptr must rise from 0 to len(kv_indices) = {idx.numel()}; "
+                         f"got {ptr[:8].tolist()}... ending at {int(ptr[-1])}")
+    pages = ptr[1:] - ptr[:-1]
+    short = (lens < q_len).nonzero()
+    if short.numel():
+        b = int(short[0])
+        raise ValueError(f"sequence {b}: kv length {int(lens[b])} < q_len {q_len}")
+    over = (lens > pages * page).nonzero()
+    if over.numel():
+        b = int(over[0])
+        raise ValueError(f"sequence {b}: kv length {int(lens[b])} is beyond its "
+                         f"{int(pages[b])} page(s) of {page} tokens")
+    # Pages a sequence's length uses; entries past them are never read.
+    used_n = (lens + page - 1) // page
+    pos = torch.arange(idx.numel()) - torch.repeat_interleave(ptr[:-1], pages)
+    used = pos < torch.repeat_interleave(used_n, pages)
+    u = idx[used]
+    if u.numel() and int(u.min()) < 0:
+        raise ValueError(f"kv_indices holds page {int(u.min())}: page indices must be >= 0")
+    return (int(u.max()) if u.numel() else -1), int(lens.max())
+
+
+__all__ = ["MLADecodeWrapper"]

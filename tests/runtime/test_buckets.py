@@ -1,0 +1,197 @@
+"""Length buckets and ragged task tuples routed without kv_lens (CPU: the torch family's
+bucket build; the Triton one runs in tests/runtime/test_wrapper.py under the interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_tune.backends import get_backend
+from mla_tune.machine.fingerprint import current_device, current_software
+from mla_tune.problem.reference import mla_decode_reference
+from mla_tune.problem.shapes import KVFormat, Shape, generate_input
+from mla_tune.results.winners_file import WinnerRecord
+from mla_tune.runtime.buckets import (
+    Bucket,
+    BucketEdges,
+    bucket_config,
+    bucket_of,
+    router_for,
+)
+from mla_tune.runtime.dispatcher import Dispatcher
+
+GATE = 2e-2
+
+
+def err(out: torch.Tensor, data, fmt: str = "bf16") -> float:
+    return float((out.float() - mla_decode_reference(*data, kv_format=fmt)).abs().max())
+
+
+def record(shape: Shape, config: dict, median_us: float = 10.0) -> WinnerRecord:
+    """A torch-family winner of this machine and sources (as a sweep here would store)."""
+    torch_family = get_backend("torch")
+    return WinnerRecord(current_device("cpu"), current_software(), shape, "torch",
+                        torch_family.source_hash(), config, median_us)
+
+
+TORCH_CFG = {"num_splits": 1, "chunk_size": 0, "compute_dtype": "float32"}
+
+
+def test_kv_classes_are_log_scale_and_configurable(monkeypatch) -> None:
+    edges = BucketEdges()
+    assert edges.kv_class(4096) == (2048, 4096)  # an edge belongs to the class below it
+    assert edges.kv_class(4097) == (4096, 8192)
+    assert edges.kv_class(1) == (0, 64)
+    assert edges.kv_class(3 * 2 ** 20) == (2 ** 21, 2 ** 22)  # past the last edge: doubling
+    custom = BucketEdges.parse("100, 1000,10000")
+    assert custom.kv_class(999) == (100, 1000) and custom.kv_class(20000) == (10000, 20000)
+    monkeypatch.setenv("MLA_TUNE_KV_BUCKETS", "300,3000")
+    assert BucketEdges.from_env().kv == (300, 3000)
+    for bad in ("3000,300", "a,b", "0,10", ""):
+        with pytest.raises(ValueError):
+            BucketEdges.parse(bad) if bad else BucketEdges(())
+
+
+def test_bucket_of_uses_the_mean_and_a_middle_representative() -> None:
+    s = Shape(4, (300, 8000, 5000, 2000), kv_format="fp8")  # mean 3825
+    b = bucket_of(s)
+    assert (b.batch, b.kv_lo, b.kv_hi, b.kv_format) == (4, 2048, 4096, KVFormat.FP8)
+    rep = b.representative()
+    assert not rep.is_ragged and rep.batch == 4 and 2048 < rep.kv_len <= 4096
+    assert rep.kv_format is KVFormat.FP8
+
+
+def test_bucket_config_makes_tuned_configs_length_independent() -> None:
+    tuned = {"kv_load": "tma_host", "page_size": 1, "num_splits": 8}
+    assert bucket_config("triton", tuned, paged=False)["kv_load"] == "tma"
+    assert bucket_config("triton", tuned, paged=True)["kv_load"] == "pointer"
+    assert bucket_config("triton", {"kv_load": "pointer", "page_size": 16},
+                         paged=False)["page_size"] == 1
+    assert bucket_config("torch", TORCH_CFG, paged=True) == TORCH_CFG
+    assert bucket_config("flashinfer", {"page_size": 64}, paged=True) is None
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_ragged_task_tuple_without_kv_lens(fmt: str, q_len: int) -> None:
+    d = Dispatcher([], "cpu", kv_format=fmt)
+    data = generate_input(Shape(3, (37, 128, 70), q_len=q_len), seed=3)
+    assert err(d.run(data), data, fmt) < GATE
+    assert router_for(d).builds == 1
+
+
+def test_custom_kernel_takes_ragged_task_tuples() -> None:
+    from mla_tune.runtime import submission
+
+    data = generate_input(Shape(2, (90, 41)), seed=4, device=submission.dispatcher.device)
+    assert err(submission.custom_kernel(data), data) < GATE
+
+
+@pytest.mark.parametrize("check_inputs", [True, False])
+def test_growing_loop_builds_once_per_bucket(check_inputs: bool, monkeypatch) -> None:
+    # One variant for both classes whatever the machine: without a tuned shape the row
+    # model picks splits from the core count, which may differ between the two classes.
+    monkeypatch.setenv("MLA_TUNE_FORCE", "torch:num_splits=1")
+    d = Dispatcher([], "cpu", kv_format="bf16", check_inputs=check_inputs)
+    router = router_for(d)
+    lens = [70, 90, 100]  # mean 86..95: one bucket, (64, 128]
+    for step in range(8):
+        data = generate_input(Shape(3, tuple(L + step for L in lens)), seed=step)
+        out = d.run(data)
+        if step in (0, 7):
+            assert err(out, data) < GATE
+        assert router.builds == 1
+    # The next class routes to the same variant here: its runner is shared, not rebuilt.
+    data = generate_input(Shape(3, (150, 160, 170)), seed=9)
+    assert err(d.run(data), data) < GATE and router.builds == 1
+    assert len({id(r) for r in router._runners.values()}) == 1
+
+
+def test_kv_lens_calls_share_the_bucket_runner_and_are_checked() -> None:
+    d = Dispatcher([], "cpu", kv_format="bf16")
+    lens = (40, 77, 63)
+    data = generate_input(Shape(3, lens), seed=5)
+    assert err(d.run(data, kv_lens=list(lens)), data) < GATE
+    assert err(d.run(data), data) < GATE
+    assert router_for(d).builds == 1
+    with pytest.raises(ValueError, match="sum to"):
+        d.run(data, kv_lens=[40, 77, 62])
+    with pytest.raises(ValueError, match="lengths for batch_size"):
+        d.run(data, kv_lens=[40, 77])
+
+
+@pytest.mark.parametrize("kv_max", [20, 80])
+def test_rows_no_ragged_batch_can_hold_are_refused(kv_max: int) -> None:
+    """80 rows cannot be 2 sequences of at most 20 tokens, nor a longest one of 80 and
+    another of at least one token (81 rows): checked as a uniform call, refused naming
+    the KV."""
+    d = Dispatcher([], "cpu", kv_format="bf16")
+    q, kv, qo, kvp, config = generate_input(Shape(2, (30, 50)), seed=6)
+    with pytest.raises(ValueError, match=r"kv_data\['bf16'\] has shape"):
+        d.run((q, kv, qo, kvp, dict(config, kv_seq_len=kv_max)))
+    assert router_for(d).builds == 0
+
+
+def test_exact_tuned_shape_still_wins_and_buckets_route_by_mean() -> None:
+    near = Shape.uniform(2, 64)
+    far = Shape.uniform(2, 2048)
+    d = Dispatcher([record(near, dict(TORCH_CFG, num_splits=4)),
+                    record(far, dict(TORCH_CFG, chunk_size=256))], "cpu", kv_format="bf16")
+    uniform = generate_input(near, seed=1)
+    assert err(d.run(uniform), uniform) < GATE
+    assert router_for(d).builds == 0  # the exact route, not a bucket
+    # Longest 1500 (nearer 2048 by the max) but mean ~780: the bucket goes by the mean.
+    bucket = router_for(d).bucket(2, 1560, 1, 16, KVFormat.BF16)
+    first = router_for(d).decisions(bucket, paged=False)[0]
+    assert first.reason == "nearest" and first.tuned_shape == far
+    small = router_for(d).decisions(router_for(d).bucket(2, 150, 1, 16, KVFormat.BF16),
+                                    paged=False)[0]
+    assert small.tuned_shape == near and small.config["num_splits"] == 4
+
+
+def test_a_winner_tuned_on_a_ragged_batch_routes_its_bucket() -> None:
+    ragged = Shape(2, (100, 400))
+    d = Dispatcher([record(Shape.uniform(2, 256), TORCH_CFG),
+                    record(ragged, dict(TORCH_CFG, compute_dtype="bfloat16"))], "cpu",
+                   kv_format="bf16")
+    b = bucket_of(ragged)
+    assert isinstance(b, Bucket) and router_for(d).has_ragged_winners
+    first = router_for(d).decisions(b, paged=False)[0]
+    assert first.reason == "exact" and first.config["compute_dtype"] == "bfloat16"
+    data = generate_input(Shape(2, (120, 390)), seed=2)
+    assert err(d.run(data), data) < GATE
+
+
+def test_force_and_trace_apply_to_buckets(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("MLA_TUNE_FORCE", "torch:num_splits=4")
+    monkeypatch.setenv("MLA_TUNE_TRACE", "1")
+    d = Dispatcher([], "cpu", kv_format="bf16")
+    data = generate_input(Shape(2, (120, 200)), seed=7)
+    assert err(d.run(data), data) < GATE
+    (runner,) = {id(r): r for r in router_for(d)._runners.values()}.values()
+    assert runner.decision.reason == "forced" and runner.decision.config["num_splits"] == 4
+    trace = capsys.readouterr().err
+    assert "mla-tune route:" in trace and "[forced] bucket 2x(128,256]" in trace
+
+
+def test_bucket_routing_is_the_same_on_every_rank() -> None:
+    table = [record(Shape.uniform(2, 64), dict(TORCH_CFG, num_splits=4)),
+             record(Shape.uniform(8, 1024), TORCH_CFG)]
+    a, b = (Dispatcher(table, "cpu", kv_format="bf16") for _ in range(2))
+    buckets = [router_for(a).bucket(bt, bt * kv, 1, 16, KVFormat.BF16)
+               for bt in (1, 3, 8) for kv in (40, 700, 5000)]
+    assert [router_for(a).decisions(x, paged=p) for x in buckets for p in (False, True)] == \
+        [router_for(b).decisions(x, paged=p) for x in buckets for p in (False, True)]
+
+
+def test_later_ragged_calls_are_checked_before_the_kernel() -> None:
+    d = Dispatcher([], "cpu", kv_format="bf16")
+    q, kv, qo, kvp, config = generate_input(Shape(2, (60, 90)), seed=3)
+    d.run((q, kv, qo, kvp, config))
+    strided = torch.empty((150, 2, 576), dtype=torch.bfloat16)[:, :1]
+    strided.copy_(kv["bf16"])
+    for bad in ((q, dict(kv, bf16=strided), qo, kvp, config),
+                (q, dict(kv, bf16=kv["bf16"].float()), qo, kvp, config),
+                (q[:1], kv, qo, kvp, config)):
+        with pytest.raises(ValueError, match="do not match bucket|q has shape"):
+            d.run(bad)
