@@ -12,6 +12,20 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+
+def _checkout_subpackages() -> None:
+    """Run from a checkout without installing it (PYTHONPATH at the repository, as on the
+    GPU machine), the repository's kernels/ and configs/ folders are the sub-packages
+    mla_tune.kernels and mla_tune.configs, as an install maps them (pyproject.toml)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file() and (root / "kernels" / "__init__.py").is_file():
+        __path__.append(str(root))
+
+
+_checkout_subpackages()
+
 __all__ = ["Dispatcher", "KVFormat", "MLADecodeWrapper", "Shape", "__version__",
            "generate_input", "parse_shape"]
 

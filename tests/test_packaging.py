@@ -27,3 +27,23 @@ def test_wheel_contains_data_files(tmp_path):
     for init in (ROOT / "mla_tune").rglob("__init__.py"):
         if "__pycache__" not in init.parts:
             assert init.relative_to(ROOT).as_posix() in names
+
+
+def test_a_checkout_on_the_path_imports_kernels_and_configs_without_an_install(tmp_path):
+    """The GPU machine runs the checkout with PYTHONPATH at its root and nothing installed:
+    kernels/ and configs/ must still be mla_tune.kernels and mla_tune.configs there."""
+    code = (
+        "import sys, json; sys.path[:] = json.loads(sys.argv[1]);"
+        "import mla_tune.kernels.triton.launch as k, mla_tune.configs as c;"
+        "from mla_tune.tuning.space import load_backend_space;"
+        "print(k.__file__); print(c.__file__); print(load_backend_space('triton').size())")
+    libs = [p for p in sys.path if p and Path(p).is_dir() and Path(p).resolve() != ROOT
+            and not (Path(p) / "mla_tune").exists()]
+    import json
+
+    r = subprocess.run([sys.executable, "-I", "-S", "-c", code, json.dumps([str(ROOT), *libs])],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    kernel, configs, size = r.stdout.split()
+    assert Path(kernel) == ROOT / "kernels" / "triton" / "launch.py"
+    assert Path(configs) == ROOT / "configs" / "__init__.py" and int(size) > 0
