@@ -37,7 +37,7 @@ from mla_tune.backends import get_backend, register
 from mla_tune.backends.base import Availability, Backend, KernelFn
 from mla_tune.machine.fingerprint import current_device, current_software
 from mla_tune.problem.shapes import Shape, TaskInput
-from mla_tune.results.winners_file import WinnerRecord
+from mla_tune.results.winner import Winner
 from mla_tune.runtime.dispatcher import Dispatcher
 from mla_tune.tuning.space import ParamSpace
 from mla_tune.tuning.timing import CudaTimer, TimingPolicy
@@ -173,10 +173,10 @@ def main() -> None:
 
     register(NoopBackend.name, f"{__name__}:NoopBackend")
     fp = current_device(device)
-    noop_record = WinnerRecord(device=fp, software=current_software(), shape=shape,
-                               backend=NoopBackend.name,
-                               source_hash=get_backend(NoopBackend.name).source_hash(),
-                               config={"variant": 0}, median_us=1.0)
+    noop_record = Winner(device=fp, software=current_software(), shape=shape,
+                         backend=NoopBackend.name,
+                         source_hash=get_backend(NoopBackend.name).source_hash(),
+                         config={"variant": 0}, median_us=1.0)
     noop_dispatcher = Dispatcher([noop_record], device, kv_format=args.kv_format)
     noop_unchecked = Dispatcher([noop_record], device, kv_format=args.kv_format,
                                 check_inputs=False)

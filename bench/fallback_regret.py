@@ -39,7 +39,8 @@ from mla_tune.backends import get_backend
 from mla_tune.machine.fingerprint import current_device
 from mla_tune.problem.shapes import Shape
 from mla_tune.problem.verify import tolerance_for
-from mla_tune.results.winners_file import WinnerRecord, records_from_store
+from mla_tune.results.winner import Winner
+from mla_tune.results.winners_file import records_from_store
 from mla_tune.runtime.dispatcher import Decision, Dispatcher
 from mla_tune.runtime.routing_rules import closest_splits, occupancy_splits
 from mla_tune.tuning.evaluate import evaluate_side_by_side
@@ -50,12 +51,12 @@ BARS = {"median": 1.10, "worst": 1.5}
 """The regret the fallbacks must stay within (median and worst shape)."""
 
 
-def load_records(dbs: Sequence[str], device: torch.device) -> list[WinnerRecord]:
+def load_records(dbs: Sequence[str], device: torch.device) -> list[Winner]:
     """This device's winners of every DB in `dbs`, with where each config was verified."""
     from mla_tune.db import TuningStore, resolve_url
 
     here = current_device(device).hash
-    out: list[WinnerRecord] = []
+    out: list[Winner] = []
     for db in dbs:
         url = resolve_url(db).render_as_string(hide_password=False)
         with TuningStore(url, read_only=True) as store:
@@ -68,7 +69,7 @@ def family(s: Shape) -> tuple[str, int, int, int]:
     return (s.kv_format.value, s.heads, s.q_len, s.page_size)
 
 
-def without(records: list[WinnerRecord], out: Callable[[Shape], bool]) -> list[WinnerRecord]:
+def without(records: list[Winner], out: Callable[[Shape], bool]) -> list[Winner]:
     """`records` as a DB that never saw the shapes `out` holds: their winners dropped and
     the verification facts at them removed from the others."""
     return [replace(r, verified_ok=tuple(s for s in r.verified_ok if not out(s)),

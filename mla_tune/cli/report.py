@@ -153,11 +153,8 @@ def _report_rows(store: Any, wanted: Any, shape: str | None, software: str | Non
     """The report's rows; with --shape, those it names, or exit 2 listing what exists."""
     from mla_tune.reports.table import report_rows, suite_keys
 
-    skipped: list[str] = []
-    rows = report_rows(store, software_hash=software, skipped=skipped,
+    rows = report_rows(store, software_hash=software,
                        shape_keys=suite_keys(suite_list) if suite_list is not None else None)
-    for message in skipped:
-        warn(f"skipped {message}")
     if wanted is None:
         return rows
     match = [r for r in rows if wanted(r.shape)]

@@ -17,7 +17,6 @@ from mla_tune.db.rows import (
     TrialGroup,
     TrialResult,
     TrialRow,
-    WinnerRow,
 )
 from mla_tune.db.store import TuningStore
 from mla_tune.db.urls import (
@@ -30,5 +29,5 @@ from mla_tune.db.urls import (
 
 __all__ = ["STAT_KEYS", "BaseTuningStore", "ClaimRow", "DBError", "DeletedRows", "DeviceRow",
            "RenamedRows", "SourceRow", "TrialGroup", "TrialResult", "TrialRow", "TuningStore",
-           "WinnerRow", "db_failure", "default_db_path", "resolve_url", "shipped_db_path",
+           "db_failure", "default_db_path", "resolve_url", "shipped_db_path",
            "shipped_db_url", "sqlite_file_size"]

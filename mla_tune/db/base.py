@@ -20,9 +20,9 @@ from mla_tune.db.rows import (
     TrialGroup,
     TrialResult,
     TrialRow,
-    WinnerRow,
 )
 from mla_tune.machine.fingerprint import DeviceFingerprint, SoftwareFingerprint
+from mla_tune.results.winner import Winner
 
 if TYPE_CHECKING:
     from optuna.storages import BaseStorage
@@ -202,7 +202,7 @@ class BaseTuningStore(abc.ABC):
     def replace_winner(self, device_id: int, software_id: int, shape_key: str,
                        sources: Mapping[str, str],
                        choose: Callable[[Sequence[TrialRow]], TrialRow | None],
-                       ) -> WinnerRow | None:
+                       ) -> Winner | None:
         """Store the winner of a shape as `choose` picks it among the candidates: every
         trial of the shape on this device and stack whose (backend, source hash) is in
         `sources`, oldest first. When `choose` returns None the stored winner is removed
@@ -213,7 +213,7 @@ class BaseTuningStore(abc.ABC):
 
     @abc.abstractmethod
     def winners(self, device_hash: str | None = None, software_hash: str | None = None,
-                shape_key: str | None = None) -> list[WinnerRow]:
+                shape_key: str | None = None) -> list[Winner]:
         """Stored winners, optionally of one device, stack and/or shape."""
 
     @property

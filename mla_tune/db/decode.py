@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from datetime import datetime, timezone
 from typing import Any
 
-from mla_tune.db.models import TRIAL_STATUSES, Device, Software, Trial, Winner
-from mla_tune.db.rows import TrialRow, WinnerRow
+from mla_tune.db import models
+from mla_tune.db.models import TRIAL_STATUSES, Device, Software, Trial
+from mla_tune.db.rows import TrialRow
 from mla_tune.machine.fingerprint import DeviceFingerprint, SoftwareFingerprint
+from mla_tune.results.winner import Winner, WinnerDataError
 
 # What a read takes from one row (reports, the dispatcher). A config or a software record
 # is well under a KiB; a ragged shape lists up to 2**20 kv lengths (winners_json's cap on a
@@ -147,9 +150,11 @@ def read_bw(d: Device) -> float | None:
         return None
 
 
-def winner_row(w: Winner, d: Device, s: Software) -> WinnerRow:
-    """`w` with its device and stack as plain data; raises RowError for a value no winner
-    can hold (a damaged row, or one its device or stack row cannot describe)."""
+def winner_row(w: models.Winner, d: Device, s: Software) -> Winner:
+    """`w` with its device and stack as a `Winner`; raises RowError for a value no winner
+    can hold (a damaged row, or one its device or stack row cannot describe). Its shape,
+    config and fingerprints go through the winners file's checks (`Winner.from_json`), so
+    a DB and a file are held to one standard."""
     versions = _json_object(s.versions_json, f"software {s.id} versions_json")
     if len(versions) > MAX_PACKAGES or not all(
             isinstance(k, str) and isinstance(v, str) and 0 < len(k) <= MAX_TEXT_CHARS
@@ -159,15 +164,18 @@ def winner_row(w: Winner, d: Device, s: Software) -> WinnerRow:
     median = _time_us(w.median_us, "median_us")
     if median is None:
         raise RowError("median_us is NULL")
-    return WinnerRow(
-        id=w.id, device_id=w.device_id, software_id=w.software_id,
-        device=_device_fingerprint(d), device_read_bw_gbps=read_bw(d),
-        software=SoftwareFingerprint.from_json(versions),
-        shape_key=_text(w.shape_key, "shape_key"),
-        shape_json=_json_object(w.shape_json, "shape_json", MAX_SHAPE_JSON_CHARS),
-        kv_format=_text(w.kv_format, "kv_format"), backend=_text(w.backend, "backend"),
-        source_hash=_text(w.source_hash, "source_hash"),
-        config=_json_object(w.config_json, "config_json"),
-        trial_id=_integer(w.trial_id, "trial_id"), median_us=median,
-        updated_at=aware(w.updated_at),
-    )
+    _text(w.kv_format, "kv_format")  # the shape carries it; a damaged column is still damage
+    try:
+        winner = Winner.from_json({
+            "device": _device_fingerprint(d).to_json(),
+            "software": SoftwareFingerprint.from_json(versions).to_json(),
+            "shape": _json_object(w.shape_json, "shape_json", MAX_SHAPE_JSON_CHARS),
+            "shape_key": _text(w.shape_key, "shape_key"),
+            "backend": _text(w.backend, "backend"),
+            "source_hash": _text(w.source_hash, "source_hash"),
+            "config": _json_object(w.config_json, "config_json"), "median_us": median})
+    except WinnerDataError as e:
+        raise RowError(str(e)) from None
+    return replace(winner, id=w.id, device_id=w.device_id, software_id=w.software_id,
+                   trial_id=_integer(w.trial_id, "trial_id"), updated_at=aware(w.updated_at),
+                   device_read_bw_gbps=read_bw(d))

@@ -22,9 +22,9 @@ from mla_tune.db.rows import (
     TrialGroup,
     TrialResult,
     TrialRow,
-    WinnerRow,
 )
 from mla_tune.machine.fingerprint import DeviceFingerprint, SoftwareFingerprint
+from mla_tune.results import winner as record
 from mla_tune.tuning.space import config_key
 
 _WINNER_KEY = ("device_id", "software_id", "shape_key")
@@ -174,7 +174,7 @@ class SQLResults(SQLEngine):
     def replace_winner(self, device_id: int, software_id: int, shape_key: str,
                        sources: Mapping[str, str],
                        choose: Callable[[Sequence[TrialRow]], TrialRow | None],
-                       ) -> WinnerRow | None:
+                       ) -> record.Winner | None:
         where_key = [Winner.device_id == device_id, Winner.software_id == software_id,
                      Winner.shape_key == shape_key]
         with self._session() as s:
@@ -207,7 +207,7 @@ class SQLResults(SQLEngine):
 
     @reads
     def winners(self, device_hash: str | None = None, software_hash: str | None = None,
-                shape_key: str | None = None) -> list[WinnerRow]:
+                shape_key: str | None = None) -> list[record.Winner]:
         where: list[ColumnElement[bool]] = []
         if device_hash is not None:
             where.append(Device.hash == device_hash)
@@ -219,7 +219,7 @@ class SQLResults(SQLEngine):
             return self._winners(s, where, self._skip)
 
     def _winners(self, s: Session, where: list[ColumnElement[bool]],
-                 skip: Callable[[str, RowError], None] | None = None) -> list[WinnerRow]:
+                 skip: Callable[[str, RowError], None] | None = None) -> list[record.Winner]:
         """Winners matching `where`; an undecodable one is passed to `skip` (raised when
         there is none)."""
         rows = self._fetch(s.execute(

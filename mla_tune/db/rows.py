@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from mla_tune.db.models import TRIAL_STATUSES
-from mla_tune.machine.fingerprint import DeviceFingerprint, SoftwareFingerprint
+from mla_tune.machine.fingerprint import DeviceFingerprint
 
 # The timing statistics a trial carries (those of `mla_tune.tuning.timing`), all optional.
 STAT_KEYS = ("median_us", "mean_us", "std_us", "min_us", "max_us", "n")
@@ -153,25 +153,3 @@ class RenamedRows:
     winners: int
     claims: int
     left: int
-
-
-@dataclass(frozen=True)
-class WinnerRow:
-    """The config chosen for a shape, with the device and stack it was tuned on, so the
-    dispatcher and reports need no further queries."""
-
-    id: int
-    device_id: int
-    software_id: int
-    device: DeviceFingerprint
-    device_read_bw_gbps: float | None
-    software: SoftwareFingerprint
-    shape_key: str
-    shape_json: dict[str, Any]
-    kv_format: str
-    backend: str
-    source_hash: str
-    config: dict[str, Any]
-    trial_id: int
-    median_us: float
-    updated_at: datetime

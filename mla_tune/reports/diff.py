@@ -22,6 +22,7 @@ from mla_tune.db import TuningStore
 from mla_tune.machine.fingerprint import SoftwareFingerprint, software_diff
 from mla_tune.problem.shapes import Shape
 from mla_tune.reports.table import ReportRow, geomean, report_rows
+from mla_tune.results.winner import Winner
 
 DEFAULT_MIN_CHANGE = 0.03
 STATUSES = ("regression", "improvement", "same", "new", "gone")
@@ -57,14 +58,22 @@ class DiffSide:
 
 @dataclass(frozen=True)
 class DiffRow:
-    """One (device, shape) before and after."""
+    """One (device, shape) before and after; `winner` names the device and shape (the
+    earlier winner, or the later where the shape is new)."""
 
-    device: str
-    shape: Shape
+    winner: Winner
     before: ReportRow | None
     after: ReportRow | None
     noise_us: float | None
     status: str
+
+    @property
+    def device(self) -> str:
+        return self.winner.device.name
+
+    @property
+    def shape(self) -> Shape:
+        return self.winner.shape
 
     @property
     def change(self) -> float | None:
@@ -128,7 +137,7 @@ def compare(before: DiffSide, after: DiffSide,
             status, noise = ("new" if ra is None else "gone"), None
         else:
             status, noise = classify(ra, rb, min_change)
-        out.append(DiffRow(ref.device, ref.shape, ra, rb, noise, status))
+        out.append(DiffRow(ref.winner, ra, rb, noise, status))
     out.sort(key=lambda d: (d.device, d.shape.kv_format.value, d.shape.q_len, d.shape.heads,
                             d.shape.kv_len, d.shape.batch))
     return out

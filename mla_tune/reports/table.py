@@ -17,9 +17,9 @@ from datetime import datetime
 from functools import cached_property
 from typing import Any
 
-from mla_tune.db import TrialRow, TuningStore, WinnerRow
+from mla_tune.db import TrialRow, TuningStore
 from mla_tune.problem.shapes import KVFormat, Shape
-from mla_tune.results.winners_file import WinnerRecord, WinnersFileError
+from mla_tune.results.winner import Winner
 from mla_tune.tuning.runoff import timed_with
 
 LIBRARY_BACKENDS = ("flashinfer", "aiter")
@@ -109,13 +109,10 @@ def knob_spread(trials: Iterable[TrialRow], backend: str) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class ReportRow:
-    """One tuned shape: its winner, its speed, and its baselines."""
+    """One tuned shape: its winner, its speed, and its baselines (the view's own fields,
+    from the trials of the winner's tuning key)."""
 
-    shape: Shape
-    device: str
-    backend: str
-    config: dict[str, Any]
-    median_us: float
+    winner: Winner
     std_us: float | None
     n: int | None
     eff_gbps: float
@@ -125,14 +122,46 @@ class ReportRow:
     torch_us: float | None
     counts: dict[str, int]
     mean_us: float | None = None
-    device_hash: str = ""
-    software_hash: str = ""
-    updated_at: datetime | None = None
     trials: tuple[TrialRow, ...] = field(default=(), repr=False, compare=False)
     superseded: bool = False
     """Its backend's kernel sources have been measured in a newer version since: the
     winner describes code that no longer runs (the dispatcher ignores it)."""
-    trial_id: int | None = None
+
+    @property
+    def shape(self) -> Shape:
+        return self.winner.shape
+
+    @property
+    def device(self) -> str:
+        return self.winner.device.name
+
+    @property
+    def backend(self) -> str:
+        return self.winner.backend
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.winner.config
+
+    @property
+    def median_us(self) -> float:
+        return self.winner.median_us
+
+    @property
+    def device_hash(self) -> str:
+        return self.winner.device.hash
+
+    @property
+    def software_hash(self) -> str:
+        return self.winner.software.hash
+
+    @property
+    def updated_at(self) -> datetime | None:
+        return self.winner.updated_at
+
+    @property
+    def trial_id(self) -> int | None:
+        return self.winner.trial_id
 
     @property
     def moment_spread_us(self) -> float | None:
@@ -213,11 +242,9 @@ def _best(trials: list[TrialRow], backends: Iterable[str]) -> tuple[str | None, 
     return best
 
 
-def _row(w: WinnerRow, trials: list[TrialRow], superseded: bool) -> ReportRow:
-    """The report row of winner `w`, from the trials of its tuning key (oldest first).
-    Raises WinnersFileError when `w` is not a winner the dispatcher would load: its shape,
-    config and time go through the winners file's parser, which caps every size."""
-    shape = WinnerRecord.from_row(w).shape
+def _row(w: Winner, trials: list[TrialRow], superseded: bool) -> ReportRow:
+    """The report row of winner `w`, from the trials of its tuning key (oldest first)."""
+    shape = w.shape
     ok = [t for t in trials if t.status == "ok"]
     win = next((t for t in trials if t.id == w.trial_id), None)
     base_backend, base_us = _best(ok, LIBRARY_BACKENDS)
@@ -227,24 +254,20 @@ def _row(w: WinnerRow, trials: list[TrialRow], superseded: bool) -> ReportRow:
     gbps = shape.kv_bytes / (w.median_us * 1e-6) / 1e9
     bw = w.device_read_bw_gbps
     return ReportRow(
-        shape=shape, device=w.device.name, backend=w.backend,
-        config=dict(w.config), median_us=w.median_us,
-        std_us=win.std_us if win else None, n=win.n if win else None, eff_gbps=gbps,
+        winner=w, std_us=win.std_us if win else None, n=win.n if win else None, eff_gbps=gbps,
         pct_of_read_bw=100.0 * gbps / bw if bw else None,
         baseline_backend=base_backend, baseline_us=base_us, torch_us=torch_us,
         counts=dict(Counter(t.status for t in trials)),
-        mean_us=win.mean_us if win else None, device_hash=w.device.hash,
-        software_hash=w.software.hash, updated_at=w.updated_at, trials=tuple(trials),
-        superseded=superseded, trial_id=w.trial_id)
+        mean_us=win.mean_us if win else None, trials=tuple(trials), superseded=superseded)
 
 
 def report_rows(store: TuningStore, shape_key: str | None = None, *,
                 shape_keys: Collection[str] | None = None, device_hash: str | None = None,
-                software_hash: str | None = None,
-                skipped: list[str] | None = None) -> list[ReportRow]:
+                software_hash: str | None = None) -> list[ReportRow]:
     """Report rows for every stored winner, optionally narrowed to one shape key, a set of
     shape keys (a suite), and/or one device or software stack (hash prefixes). A winner
-    that is not a valid one (a damaged row) is left out, and said why in `skipped`."""
+    row that is not a valid one (a damaged row) is left out by the store, which says why
+    (`store.skipped`)."""
     winners = [w for w in store.winners(shape_key=shape_key)
                if (shape_keys is None or w.shape_key in shape_keys)
                and (device_hash is None or w.device.hash.startswith(device_hash))
@@ -258,12 +281,8 @@ def report_rows(store: TuningStore, shape_key: str | None = None, *,
     newest = newest_sources(trials)
     rows = []
     for w in winners:
-        try:
-            rows.append(_row(w, by_key[w.device_id, w.software_id, w.shape_key],
-                             superseded=w.source_hash != newest.get(w.backend, w.source_hash)))
-        except WinnersFileError as e:
-            if skipped is not None:
-                skipped.append(f"winner {w.id} ({w.shape_key[:80]}): {str(e)[:300]}")
+        rows.append(_row(w, by_key[w.device_id, w.software_id, w.shape_key],
+                         superseded=w.source_hash != newest.get(w.backend, w.source_hash)))
     rows.sort(key=lambda r: (r.device, r.software_hash, r.shape.kv_format.value, r.shape.q_len,
                              r.shape.heads, r.shape.kv_len, r.shape.batch))
     return rows

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from mla_tune.db import BaseTuningStore, TrialRow, WinnerRow
+from mla_tune.db import BaseTuningStore, TrialRow
+from mla_tune.results.winner import Winner
 
 
 def fastest_correct(candidates: Sequence[TrialRow]) -> TrialRow | None:
@@ -21,7 +22,7 @@ def fastest_correct(candidates: Sequence[TrialRow]) -> TrialRow | None:
 
 
 def update_winner(store: BaseTuningStore, device_id: int, software_id: int, shape_key: str,
-                  current_sources: Mapping[str, str]) -> WinnerRow | None:
+                  current_sources: Mapping[str, str]) -> Winner | None:
     """Recompute and store the winner of a shape from its trials.
 
     `current_sources` maps every backend that may win to its current source hash; trials of

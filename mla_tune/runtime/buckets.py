@@ -302,11 +302,11 @@ class BucketRouter:
         self._task: dict[tuple[Any, ...], Any] = {}
         self._ragged_winners: dict[Bucket, Any] = {}
         for w in dispatcher._table.values():
-            s = w.record.shape
+            s = w.winner.shape
             if s.is_ragged:
                 bk = bucket_of(s, self.edges)
                 prev = self._ragged_winners.get(bk)
-                if prev is None or w.record.median_us < prev.record.median_us:
+                if prev is None or w.winner.median_us < prev.winner.median_us:
                     self._ragged_winners[bk] = w
 
     @property
@@ -359,24 +359,24 @@ class BucketRouter:
             add(forced.backend, forced.config, "forced", forced.detail)
         w = self._ragged_winners.get(bucket)
         if w is not None:
-            add(w.record.backend, w.config, "exact",
-                f"tuned on ragged batch {w.record.shape.label()}", w.record.median_us,
-                w.record.shape)
+            add(w.winner.backend, w.config, "exact",
+                f"tuned on ragged batch {w.winner.shape.label()}", w.winner.median_us,
+                w.winner.shape)
         lb, lk = math.log(rep.batch), math.log(rep.kv_len)
 
         def distance(w: Any) -> tuple[float, int, int]:
-            s = w.record.shape
+            s = w.winner.shape
             return (math.hypot(math.log(s.batch) - lb, math.log(s.kv_len) - lk), s.batch,
                     s.kv_len)
 
         for page in dict.fromkeys((bucket.page_size, 1)):
             fam_key = (bucket.kv_format, bucket.heads, bucket.q_len, page)
             for w in sorted(d._uniform.get(fam_key, ()), key=distance):
-                s = w.record.shape
-                add(w.record.backend, w.config, "nearest",
+                s = w.winner.shape
+                add(w.winner.backend, w.config, "nearest",
                     f"variant of tuned shape {s.label()} p{s.page_size} (log distance "
-                    f"{distance(w)[0]:.2f}, {w.record.median_us:.1f} us there)",
-                    w.record.median_us, s)
+                    f"{distance(w)[0]:.2f}, {w.winner.median_us:.1f} us there)",
+                    w.winner.median_us, s)
         for fallback in (d._heuristic(rep), d._last_resort(rep)):
             if fallback is not None:
                 add(fallback.backend, fallback.config, fallback.reason, fallback.detail)

@@ -105,7 +105,8 @@ from mla_tune.machine.fingerprint import (
     software_diff,
 )
 from mla_tune.problem.shapes import QK_HEAD_DIM, KVFormat, Shape, ShapeError, TaskInput
-from mla_tune.results.winners_file import WinnerRecord, load_winners_json
+from mla_tune.results.winner import Winner
+from mla_tune.results.winners_file import load_winners_json
 from mla_tune.runtime.input_checks import (
     E8M0_DTYPES,
     FP4_DTYPES,
@@ -170,8 +171,11 @@ class Decision:
 
 
 @dataclass(frozen=True)
-class _Winner:
-    record: WinnerRecord
+class _Loaded:
+    """A winner as the dispatcher holds it: the record, its config as its backend's space
+    validated it, and how its stack differs from this one."""
+
+    winner: Winner
     config: dict[str, Any]
     stack_diff: tuple[str, ...]
 
@@ -324,7 +328,7 @@ def _make_runner(fn: Runner, shape: Shape, device: torch.device, config: Mapping
 class Dispatcher:
     """Routes each MLA decode call to its tuned variant (module docstring: the policy)."""
 
-    def __init__(self, winners: Iterable[WinnerRecord] = (),
+    def __init__(self, winners: Iterable[Winner] = (),
                  device: str | torch.device | None = None, *,
                  kv_format: KVFormat | str | None = None, strict: bool = False,
                  check_inputs: bool = True, origin: str = "an in-memory table") -> None:
@@ -337,9 +341,9 @@ class Dispatcher:
         self.ignored: dict[str, int] = {}
         self._families: dict[str, _Family | str] = {}
         self._table = self._load(list(winners))
-        self._uniform: dict[tuple[KVFormat, int, int, int], list[_Winner]] = {}
+        self._uniform: dict[tuple[KVFormat, int, int, int], list[_Loaded]] = {}
         for w in self._table.values():
-            s = w.record.shape
+            s = w.winner.shape
             if not s.is_ragged:
                 self._uniform.setdefault((s.kv_format, s.heads, s.q_len, s.page_size),
                                          []).append(w)
@@ -387,7 +391,7 @@ class Dispatcher:
                     sources.append(shipped_db_url())
             except Exception as e:  # noqa: BLE001 - serving must never fail on the tuning DB
                 log.warning("mla-tune: the shipped tuning results cannot be located (%s)", e)
-        records: list[WinnerRecord] = []
+        records: list[Winner] = []
         origins: list[str] = []
         for source in sources:
             origin = "no tuning DB"
@@ -416,7 +420,7 @@ class Dispatcher:
                   check_inputs: bool = True) -> "Dispatcher":
         """Load winners from a winners JSON file (`winners_json.py`); a missing or invalid
         file is a warning and the heuristics route every call."""
-        records: list[WinnerRecord] = []
+        records: list[Winner] = []
         try:
             records = load_winners_json(path)
         except Exception as e:  # noqa: BLE001 - serving must never fail on a winners file
@@ -442,9 +446,9 @@ class Dispatcher:
     def _ignore(self, why: str) -> None:
         self.ignored[why] = self.ignored.get(why, 0) + 1
 
-    def _load(self, records: list[WinnerRecord]) -> dict[str, _Winner]:
+    def _load(self, records: list[Winner]) -> dict[str, _Loaded]:
         here = self.fingerprint.hash
-        usable: list[tuple[WinnerRecord, _Family]] = []
+        usable: list[tuple[Winner, _Family]] = []
         for r in records:
             if r.device.hash != here:
                 self._ignore("tuned on another device")
@@ -469,7 +473,7 @@ class Dispatcher:
             own[fam.backend.name] = set(versions)
         self._checks = self._index_checks(usable)
         here_sw = current_software(extra)
-        table: dict[str, _Winner] = {}
+        table: dict[str, _Loaded] = {}
         warned: set[str] = set()
         for r, fam in usable:
             try:
@@ -495,14 +499,14 @@ class Dispatcher:
                                 "pass strict=True to ignore them",
                                 ", ".join(f"{k} {a} here {b or 'absent'}"
                                           for k, (a, b) in changed.items()))
-            w = _Winner(r, config, diff)
+            w = _Loaded(r, config, diff)
             prev = table.get(r.shape.key)
             if prev is None or self._rank(w) < self._rank(prev):
                 table[r.shape.key] = w
         return table
 
     @staticmethod
-    def _index_checks(usable: list[tuple[WinnerRecord, _Family]]
+    def _index_checks(usable: list[tuple[Winner, _Family]]
                       ) -> dict[tuple[str, str], _Checks]:
         """(backend, config key) -> where it was verified, from every usable record (a
         winner is verified at its own shape), built once at load."""
@@ -531,8 +535,8 @@ class Dispatcher:
         return trust_tier(shape.key, _shape_family(shape), c.ok, c.wrong, c.wrong_family)
 
     @staticmethod
-    def _rank(w: _Winner) -> tuple[Any, ...]:
-        return (len(w.stack_diff), w.record.median_us, w.record.backend, config_key(w.config))
+    def _rank(w: _Loaded) -> tuple[Any, ...]:
+        return (len(w.stack_diff), w.winner.median_us, w.winner.backend, config_key(w.config))
 
     @property
     def loaded(self) -> int:
@@ -580,9 +584,9 @@ class Dispatcher:
         w = self._table.get(shape.key)
         if w is not None:
             note = f" (tuned under other {'/'.join(w.stack_diff)})" if w.stack_diff else ""
-            return [Decision(shape, w.record.backend, w.config, "exact",
-                             f"tuned winner of this shape, {w.record.median_us:.1f} us{note}",
-                             w.record.median_us, w.record.shape)]
+            return [Decision(shape, w.winner.backend, w.config, "exact",
+                             f"tuned winner of this shape, {w.winner.median_us:.1f} us{note}",
+                             w.winner.median_us, w.winner.shape)]
         as_tuned = self._nearest_as_tuned(shape)
         out = [d for tier, d in as_tuned if tier == 0]
         out += self._moved(shape)
@@ -594,29 +598,29 @@ class Dispatcher:
         family, their variants as tuned: the first verified at this shape, if any, and the
         first by distance over (log batch, log kv length). Never a variant stored wrong
         here, nor one wrong elsewhere in the family (suspect: the heuristic comes first)."""
-        def distance(w: _Winner) -> tuple[float, int, int]:
-            s = w.record.shape
+        def distance(w: _Loaded) -> tuple[float, int, int]:
+            s = w.winner.shape
             return nearest_distance(shape.batch, shape.kv_len, s.batch, s.kv_len)
 
         ranked = []
         for w in self._uniform.get(_shape_family(shape), ()):
-            t = self.trust(w.record.backend, w.config, shape)
+            t = self.trust(w.winner.backend, w.config, shape)
             if t is not None and t[0] < 2:
                 ranked.append((t[0], distance(w), t[1], w))
         out: list[tuple[int, Decision]] = []
         for tier, dist, why, w in sorted(ranked, key=lambda x: x[:2]):
-            fam = self._family(w.record.backend)
+            fam = self._family(w.winner.backend)
             if isinstance(fam, str) or fam.backend.supports(shape) is not None \
                     or not fam.backend.feasible(shape, w.config) \
                     or any(t == tier for t, _ in out):
                 continue
-            s = w.record.shape
+            s = w.winner.shape
             kind = "ragged call: variant of" if shape.is_ragged else "no winner here; variant of"
             out.append((tier, Decision(
-                shape, w.record.backend, w.config, "nearest",
+                shape, w.winner.backend, w.config, "nearest",
                 f"{kind} nearest tuned shape {s.label()} as tuned (log distance "
-                f"{dist[0]:.2f}, {w.record.median_us:.1f} us there; {why})",
-                w.record.median_us, s)))
+                f"{dist[0]:.2f}, {w.winner.median_us:.1f} us there; {why})",
+                w.winner.median_us, s)))
         return out
 
     def _moved(self, shape: Shape) -> list[Decision]:
@@ -635,33 +639,33 @@ class Dispatcher:
             for w in winners:
                 if ROW_BLOCK_KNOB not in w.config:
                     continue  # the model moves row-blocked variants only
-                s = w.record.shape
+                s = w.winner.shape
                 sources.append((transfer_distance(shape.batch, shape.kv_len, rows,
                                                   shape.q_len, s.batch, s.kv_len,
                                                   s.q_len * s.heads, s.q_len),
                                 fam_key != own, w))
         for dist, other, w in sorted(sources, key=lambda x: (x[0][0], x[1], x[0][1:],
-                                                             x[2].record.backend,
+                                                             x[2].winner.backend,
                                                              config_key(x[2].config))):
-            fam = self._family(w.record.backend)
+            fam = self._family(w.winner.backend)
             if isinstance(fam, str) or fam.backend.supports(shape) is not None:
                 continue
-            moved = self._row_model(w.record.backend, fam, shape, w, TRANSFER_TRIES)
+            moved = self._row_model(w.winner.backend, fam, shape, w, TRANSFER_TRIES)
             if not moved:
                 continue
-            s = w.record.shape
+            s = w.winner.shape
             what = ("a tuned shape of another q_len/heads family" if other
                     else "ragged call: nearest tuned shape" if shape.is_ragged
                     else "no winner here; nearest tuned shape")
             head = (f"{what} {s.label()} (distance {dist[0]:.2f} over log batch, kv, "
-                    f"rows; {w.record.median_us:.1f} us there)")
-            return [Decision(shape, w.record.backend, config,
+                    f"rows; {w.winner.median_us:.1f} us there)")
+            return [Decision(shape, w.winner.backend, config,
                              "transfer" if other else "nearest",
-                             f"{head}; {note}; {trust[1]}", w.record.median_us, s)
+                             f"{head}; {note}; {trust[1]}", w.winner.median_us, s)
                     for config, trust, note in moved]
         return []
 
-    def _row_model(self, name: str, fam: _Family, shape: Shape, source: _Winner | None,
+    def _row_model(self, name: str, fam: _Family, shape: Shape, source: _Loaded | None,
                    limit: int) -> list[tuple[dict[str, Any], tuple[int, str], str]]:
         """Up to `limit` feasible configs of family `name` for `shape`, best first, by the
         row model (`routing_rules.model_knobs`): moved from `source`'s tuned variant, or
@@ -675,7 +679,7 @@ class Dispatcher:
         blocks = {int(c[ROW_BLOCK_KNOB]) for c, _ in trusted if ROW_BLOCK_KNOB in c}
         src = None
         if source is not None:
-            s = source.record.shape
+            s = source.winner.shape
             src = (source.config, s.batch, s.q_len * s.heads, s.kv_len)
         most = max((int(c.get("num_splits", 1)) for c, _ in trusted), default=1)
         block_m, want = model_knobs(shape.batch, rows, shape.kv_len, self.fingerprint.sm_count,

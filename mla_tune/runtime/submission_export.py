@@ -31,7 +31,7 @@ from typing import Any
 import mla_tune
 import mla_tune.kernels.triton
 from mla_tune.problem.shapes import KVFormat, Shape
-from mla_tune.results.winners_file import WinnerRecord
+from mla_tune.results.winner import Winner
 
 _PACKAGE = Path(mla_tune.__file__).resolve().parent
 _KERNELS = Path(mla_tune.kernels.triton.__file__).resolve().parent
@@ -111,12 +111,12 @@ def _literal(value: Any) -> str:
     raise SubmissionError(f"cannot write {type(value).__name__} {value!r} as a literal")
 
 
-def _pick(records: Sequence[WinnerRecord], sources: dict[str, str]
-          ) -> tuple[dict[str, WinnerRecord], dict[str, int]]:
+def _pick(records: Sequence[Winner], sources: dict[str, str]
+          ) -> tuple[dict[str, Winner], dict[str, int]]:
     """One winner per shape key (the fastest exportable one) and counts of what was left
     out, by reason."""
     left: dict[str, int] = {}
-    best: dict[str, WinnerRecord] = {}
+    best: dict[str, Winner] = {}
     for r in records:
         if r.backend not in EXPORTABLE:
             why = f"{r.backend} winners (only Triton kernels travel in the file)"
@@ -134,7 +134,7 @@ def _pick(records: Sequence[WinnerRecord], sources: dict[str, str]
     return best, left
 
 
-def _checks(records: Sequence[WinnerRecord], sources: dict[str, str]
+def _checks(records: Sequence[Winner], sources: dict[str, str]
             ) -> dict[str, tuple[tuple[str, ...], tuple[str, ...], dict[tuple, str]]]:
     """Config text -> (shape keys verified ok, shape keys stored wrong, the smallest wrong
     shape's label per shape family), from every current exportable winner (a winner is
@@ -161,7 +161,7 @@ def _families(shapes: Sequence[Shape]) -> set[tuple[int, int]]:
     return {(s.heads, s.q_len) for s in shapes}
 
 
-def render_submission(records: Sequence[WinnerRecord], device_hash: str, *,
+def render_submission(records: Sequence[Winner], device_hash: str, *,
                       db_label: str, shapes: Sequence[Shape] = (),
                       leaderboard: str | None = None, gpu: str | None = None) -> Submission:
     """The submission file for the winners of device `device_hash` in `records`. `shapes`

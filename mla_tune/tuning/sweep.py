@@ -37,7 +37,7 @@ from mla_tune.backends import (
     library_versions,
     source_hashes,
 )
-from mla_tune.db import ClaimRow, TrialGroup, TrialResult, TrialRow, TuningStore, WinnerRow
+from mla_tune.db import ClaimRow, TrialGroup, TrialResult, TrialRow, TuningStore
 from mla_tune.machine.fingerprint import (
     DeviceFingerprint,
     SoftwareFingerprint,
@@ -45,6 +45,7 @@ from mla_tune.machine.fingerprint import (
 )
 from mla_tune.problem.shapes import Shape
 from mla_tune.results.selection import update_winner
+from mla_tune.results.winner import Winner
 from mla_tune.tuning.compile_ahead import CompileStage, CompileSummary
 from mla_tune.tuning.evaluate import TrialOutcome
 from mla_tune.tuning.optuna_study import open_study, study_name
@@ -110,7 +111,7 @@ class BackendSummary:
 @dataclass
 class ShapeResult:
     shape: Shape
-    winner: WinnerRow | None
+    winner: Winner | None
     backends: list[BackendSummary]
     # Finalists whose times come from one side-by-side run (0: the first times stand).
     side_by_side: int = 0
@@ -532,7 +533,7 @@ class _Sweep:
             return
         self._finish(run, winner, timed_with(trials, None if winner is None else winner.trial_id))
 
-    def _finish(self, run: _ShapeRun, winner: WinnerRow | None, side_by_side: int) -> None:
+    def _finish(self, run: _ShapeRun, winner: Winner | None, side_by_side: int) -> None:
         run.result = ShapeResult(run.shape, winner, run.summaries, side_by_side)
         if self.observer:
             self.observer.shape_done(run.result)

@@ -64,7 +64,7 @@ def fill(path: Path, trials: int = 60) -> None:
 
     with TuningStore(str(path)) as store:
         group = TrialGroup(store.device_id(GPU), store.software_id(STACK), SHAPE_KEY,
-                           "triton", "src")
+                           "triton", "5c0a")
         for i in range(trials):
             store.record_trial(group, TrialResult(SHAPE, "bf16", {"i": i, "pad": "x" * 2000},
                                                   "ok", {"median_us": 10.0 + i}))

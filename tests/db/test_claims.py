@@ -17,7 +17,7 @@ CONFIGS = [{"c": i} for i in range(4)]
 
 
 def _group(ids):
-    return TrialGroup(ids["device_id"], ids["software_id"], SHAPE_KEY, "triton", "src1")
+    return TrialGroup(ids["device_id"], ids["software_id"], SHAPE_KEY, "triton", "5c1a")
 
 
 def _store_trial(store, group, config):

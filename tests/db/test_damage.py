@@ -53,7 +53,7 @@ def test_disk_full_is_a_dberror_and_keeps_what_was_stored(tmp_path):
     stored = []
     with disk_full_after(pages=3), TuningStore(str(path)) as store:
         ids = {"device_id": store.device_id(GPU), "software_id": store.software_id(STACK)}
-        group = TrialGroup(**ids, shape_key=SHAPE_KEY, backend="triton", source_hash="src")
+        group = TrialGroup(**ids, shape_key=SHAPE_KEY, backend="triton", source_hash="5c0a")
         with pytest.raises(DBError, match="is full") as err:
             for i in range(1000):
                 store.enqueue(group, [{"i": i, "pad": "x" * 200}])

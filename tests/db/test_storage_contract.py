@@ -30,7 +30,7 @@ def _stats(median):
             "min_us": median - 0.2, "max_us": median + 1.0, "n": 50}
 
 
-def _group(ids, backend="triton", source="src1"):
+def _group(ids, backend="triton", source="5c1a"):
     return TrialGroup(ids["device_id"], ids["software_id"], SHAPE_KEY, backend, source)
 
 
@@ -39,7 +39,7 @@ def _result(config, status="ok", median=10.0, **kw):
                        stats=_stats(median) if status == "ok" else None, **kw)
 
 
-def _record(store, ids, config, status="ok", median=10.0, backend="triton", source="src1",
+def _record(store, ids, config, status="ok", median=10.0, backend="triton", source="5c1a",
             **kw):
     return store.record_trial(_group(ids, backend, source), _result(config, status, median,
                                                                      **kw))
@@ -172,7 +172,7 @@ def test_choosing_and_storing_a_winner_is_one_step_per_shape(url, store, ids):
     def race():
         inside.wait()
         other.replace_winner(ids["device_id"], ids["software_id"], SHAPE_KEY,
-                             {"triton": "src1"}, lambda candidates: seen.append(
+                             {"triton": "5c1a"}, lambda candidates: seen.append(
                                  len(candidates)))  # returns None: removes the winner
         other_done.set()
 
@@ -180,7 +180,7 @@ def test_choosing_and_storing_a_winner_is_one_step_per_shape(url, store, ids):
     racer.start()
     try:
         first = store.replace_winner(ids["device_id"], ids["software_id"], SHAPE_KEY,
-                                     {"triton": "src1"}, slow_choice)
+                                     {"triton": "5c1a"}, slow_choice)
     finally:
         racer.join()
         other.close()
@@ -242,7 +242,7 @@ def test_trial_round_trip(store, ids):
     measured = store.measured(_group(ids))
     assert set(measured) == {'{"BLOCK_N":32,"num_warps":4}', '{"BLOCK_N":64,"num_warps":4}'}
     assert measured['{"BLOCK_N":32,"num_warps":4}'].error == "OOM"
-    assert store.measured(_group(ids, source="src2")) == {}
+    assert store.measured(_group(ids, source="5c2a")) == {}
     assert len(store.trials(backend="triton", shape_key=SHAPE_KEY)) == 2
     assert store.trials(backend="flashinfer") == []
 
@@ -275,24 +275,25 @@ def test_the_winner_is_the_fastest_correct_trial_of_current_sources(store, ids):
     _record(store, ids, {"c": 3}, status="failed", error="boom")
     _record(store, ids, {"c": 4}, status="timeout")
     _record(store, ids, {"c": 5}, median=1.0, source="stale")
-    _record(store, ids, {"c": 6}, median=2.0, backend="flashinfer", source="fi1")
+    _record(store, ids, {"c": 6}, median=2.0, backend="flashinfer", source="f1")
     fast = _record(store, ids, {"c": 7}, median=8.0)
-    current = {"triton": "src1"}
+    current = {"triton": "5c1a"}
 
     w = _winner(store, ids, current)
     assert (w.trial_id, w.backend, w.config, w.median_us) == (fast, "triton", {"c": 7}, 8.0)
-    assert (w.device, w.software, w.shape_json, w.kv_format) == (GPU, STACK, SHAPE, "bf16")
-    w2 = _winner(store, ids, {**current, "flashinfer": "fi1"})
-    assert (w2.id, w2.backend, w2.source_hash, w2.median_us) == (w.id, "flashinfer", "fi1", 2.0)
+    assert (w.device, w.software, w.shape.to_json(), w.shape.kv_format.value) == (
+        GPU, STACK, SHAPE, "bf16")
+    w2 = _winner(store, ids, {**current, "flashinfer": "f1"})
+    assert (w2.id, w2.backend, w2.source_hash, w2.median_us) == (w.id, "flashinfer", "f1", 2.0)
     assert store.winners() == [w2]
-    assert _winner(store, ids, {"triton": "src9"}) is None  # no current source measured
+    assert _winner(store, ids, {"triton": "5c9a"}) is None  # no current source measured
     assert store.winners() == []
 
 
 def test_winner_ties_go_to_the_earlier_trial(store, ids):
     first = _record(store, ids, {"c": 1}, median=5.0)
     _record(store, ids, {"c": 2}, median=5.0)
-    assert _winner(store, ids, {"triton": "src1"}).trial_id == first
+    assert _winner(store, ids, {"triton": "5c1a"}).trial_id == first
 
 
 def test_a_remeasure_keeps_the_better_timing_and_both_medians(store, ids):
@@ -308,7 +309,7 @@ def test_a_remeasure_keeps_the_better_timing_and_both_medians(store, ids):
             rows[b].runoff_median_us, rows[b].remeasured_at) == (9.5, 10.0, 10.5, 9.5, at)
     assert (rows[c].median_us, rows[c].first_median_us, rows[c].remeasured_at) == (
         10.8, None, None)
-    assert _winner(store, ids, {"triton": "src1"}).trial_id == b
+    assert _winner(store, ids, {"triton": "5c1a"}).trial_id == b
     # A second re-timing keeps the very first median and the best timing so far.
     store.record_remeasure({a: _stats(9.0), b: _stats(9.8)})
     rows = {t.id: t for t in store.trials()}
@@ -316,7 +317,7 @@ def test_a_remeasure_keeps_the_better_timing_and_both_medians(store, ids):
         9.0, 10.0, 9.0)
     assert (rows[b].median_us, rows[b].first_median_us, rows[b].runoff_median_us) == (
         9.5, 10.5, 9.8)
-    assert _winner(store, ids, {"triton": "src1"}).trial_id == a
+    assert _winner(store, ids, {"triton": "5c1a"}).trial_id == a
 
 
 def test_a_trial_marked_wrong_keeps_its_median_and_never_wins(store, ids):
@@ -325,7 +326,7 @@ def test_a_trial_marked_wrong_keeps_its_median_and_never_wins(store, ids):
     store.mark_wrong(fast, "wrong when built again", max_abs_err=2.0, mismatch_frac=0.5)
     t = {t.id: t for t in store.trials()}[fast]
     assert (t.status, t.median_us, t.first_median_us, t.max_abs_err) == ("wrong", None, 9.0, 2.0)
-    assert _winner(store, ids, {"triton": "src1"}).trial_id == slow
+    assert _winner(store, ids, {"triton": "5c1a"}).trial_id == slow
     with pytest.raises(ValueError, match="not a stored 'ok' trial"):
         store.mark_wrong(fast, "again")
 
@@ -335,10 +336,10 @@ def test_failed_trials_are_deleted_to_be_measured_again(store, ids):
     _record(store, ids, {"c": 1}, median=9.0)
     _record(store, ids, {"c": 2}, status="failed")
     _record(store, ids, {"c": 3}, status="timeout")
-    _record(store, ids, {"c": 4}, status="failed", source="src2")
+    _record(store, ids, {"c": 4}, status="failed", source="5c2a")
     assert store.delete_trials(g, ["failed"]) == 1 and store.delete_trials(g, []) == 0
     assert sorted((t.source_hash, t.config["c"]) for t in store.trials()) == [
-        ("src1", 1), ("src1", 3), ("src2", 4)]
+        ("5c1a", 1), ("5c1a", 3), ("5c2a", 4)]
     store.enqueue(g, [{"c": 2}, {"c": 3}])  # measured again: only the deleted one queues
     assert [c.config for c in store.claims(g)] == [{"c": 2}]
 
@@ -349,7 +350,7 @@ def test_winners_filter_and_carry_their_device_and_stack(store, ids):
     store.set_read_bandwidth(ids["device_id"], 4000.0)
     for i in (ids, other_ids):
         _record(store, i, {"c": 1})
-        _winner(store, i, {"triton": "src1"})
+        _winner(store, i, {"triton": "5c1a"})
     assert len(store.winners()) == 2
     [w] = store.winners(device_hash=GPU.hash)
     assert w.device == GPU and w.device_read_bw_gbps == 4000.0
@@ -368,7 +369,7 @@ def test_a_damaged_row_is_skipped_and_listed_not_fatal(url, store, ids):
     assert [t.id for t in store.trials()] == [good]
     assert any(f"trial {bad} " in s and "config_json" in s for s in store.skipped)
     # A damaged trial is not a candidate: the next fastest wins.
-    assert _winner(store, ids, {"triton": "src1"}).trial_id == good
+    assert _winner(store, ids, {"triton": "5c1a"}).trial_id == good
     _sql(url, "UPDATE mt_winners SET config_json = '{}{}'")
     assert store.winners() == []
     assert any(s.startswith("winner ") for s in store.skipped)
@@ -387,7 +388,7 @@ def test_read_only_reads_what_was_written_and_refuses_every_write(url):
         g = _group(ids)
         tid = _record(rw, ids, {"c": 1}, median=12.5)
         rw.enqueue(g, CONFIGS[1:])
-        assert _winner(rw, ids, {"triton": "src1"}) is not None
+        assert _winner(rw, ids, {"triton": "5c1a"}) is not None
         expected = (rw.winners(), rw.trials(), rw.devices(), rw.claims(g), rw.sources())
     with TuningStore(url, read_only=True) as ro:
         assert ro.read_only
@@ -406,9 +407,9 @@ def test_read_only_reads_what_was_written_and_refuses_every_write(url):
             "record_remeasure": lambda: ro.record_remeasure({tid: _stats(1.0)}),
             "mark_wrong": lambda: ro.mark_wrong(tid, "no"),
             "delete_trials": lambda: ro.delete_trials(g, ["failed"]),
-            "replace_winner": lambda: _winner(ro, ids, {"triton": "src1"}),
-            "delete_sources": lambda: ro.delete_sources([("triton", "src1")]),
-            "rename_source": lambda: ro.rename_source("triton", "src1", "src2"),
+            "replace_winner": lambda: _winner(ro, ids, {"triton": "5c1a"}),
+            "delete_sources": lambda: ro.delete_sources([("triton", "5c1a")]),
+            "rename_source": lambda: ro.rename_source("triton", "5c1a", "5c2a"),
             "compact": lambda: ro.compact(),
         }
         # Every method of the contract is either a read or refused here.
@@ -425,19 +426,19 @@ def test_read_only_reads_what_was_written_and_refuses_every_write(url):
 
 def test_deleting_sources_keeps_what_winners_name_and_other_sources(store, ids):
     for i in range(3):
-        _record(store, ids, {"i": i}, median=5.0 + i, source="old")
-        _record(store, ids, {"i": i}, median=9.0 + i, source="new")
-    store.enqueue(_group(ids, source="old"), [{"i": 7}])
-    win = _winner(store, ids, {"triton": "old"})
+        _record(store, ids, {"i": i}, median=5.0 + i, source="f0d")
+        _record(store, ids, {"i": i}, median=9.0 + i, source="a4e")
+    store.enqueue(_group(ids, source="f0d"), [{"i": 7}])
+    win = _winner(store, ids, {"triton": "f0d"})
     by_source = {r.source_hash: r for r in store.sources()}
     assert {h: (r.trials, r.named_by_winners) for h, r in by_source.items()} == {
-        "old": (3, 1), "new": (3, 0)}
-    assert by_source["new"].newest_trial_id > by_source["old"].newest_trial_id
+        "f0d": (3, 1), "a4e": (3, 0)}
+    assert by_source["a4e"].newest_trial_id > by_source["f0d"].newest_trial_id
 
-    gone = store.delete_sources([("triton", "old")])
+    gone = store.delete_sources([("triton", "f0d")])
     assert (gone.trials, gone.claims, gone.kept_for_winners) == (2, 1, 1)
     assert sorted((t.source_hash, t.config["i"]) for t in store.trials()) == [
-        ("new", 0), ("new", 1), ("new", 2), ("old", 0)]
+        ("a4e", 0), ("a4e", 1), ("a4e", 2), ("f0d", 0)]
     assert [w.trial_id for w in store.winners()] == [win.trial_id]
     assert store.delete_sources([]) == DeletedRows(0, 0, 0)
     store.compact()  # the data is unchanged
@@ -446,19 +447,19 @@ def test_deleting_sources_keeps_what_winners_name_and_other_sources(store, ids):
 
 def test_renaming_a_source_moves_its_rows_but_never_onto_a_taken_key(store, ids):
     for i in range(3):
-        _record(store, ids, {"i": i}, median=5.0 + i, source="bytes")
-    _record(store, ids, {"i": 2}, median=1.0, source="code")  # the new hash measured i=2
-    _record(store, ids, {"i": 0}, median=4.0, backend="flashinfer", source="bytes")
-    store.enqueue(_group(ids, source="bytes"), [{"i": 7}])
-    _winner(store, ids, {"triton": "bytes"})
+        _record(store, ids, {"i": i}, median=5.0 + i, source="b7e5")
+    _record(store, ids, {"i": 2}, median=1.0, source="c0de")  # the new hash measured i=2
+    _record(store, ids, {"i": 0}, median=4.0, backend="flashinfer", source="b7e5")
+    store.enqueue(_group(ids, source="b7e5"), [{"i": 7}])
+    _winner(store, ids, {"triton": "b7e5"})
 
-    done = store.rename_source("triton", "bytes", "code")
+    done = store.rename_source("triton", "b7e5", "c0de")
     assert (done.trials, done.winners, done.claims, done.left) == (2, 1, 1, 1)
     assert sorted((t.backend, t.source_hash, t.config["i"]) for t in store.trials()) == [
-        ("flashinfer", "bytes", 0), ("triton", "bytes", 2), ("triton", "code", 0),
-        ("triton", "code", 1), ("triton", "code", 2)]
+        ("flashinfer", "b7e5", 0), ("triton", "b7e5", 2), ("triton", "c0de", 0),
+        ("triton", "c0de", 1), ("triton", "c0de", 2)]
     (winner,) = store.winners()
-    assert (winner.source_hash, winner.config) == ("code", {"i": 0})
-    assert [c.config for c in store.claims(_group(ids, source="code"))] == [{"i": 7}]
-    again = store.rename_source("triton", "bytes", "code")
+    assert (winner.source_hash, winner.config) == ("c0de", {"i": 0})
+    assert [c.config for c in store.claims(_group(ids, source="c0de"))] == [{"i": 7}]
+    again = store.rename_source("triton", "b7e5", "c0de")
     assert (again.trials, again.winners, again.claims, again.left) == (0, 0, 0, 1)

@@ -60,7 +60,8 @@ def test_classify_needs_both_noise_and_min_change(stacks):
     base = report_rows(stacks[0])[0]
 
     def row(median: float, std: float | None = 10.0, n: int | None = 10):
-        return dataclasses.replace(base, median_us=median, std_us=std, n=n)
+        return dataclasses.replace(base, winner=dataclasses.replace(base.winner, median_us=median),
+                                   std_us=std, n=n)
 
     before = row(100.0)  # 95% CI half-width 2.262 * 10 / sqrt(10) = 7.154 us
     noise = noise_us(before, row(100.0))
@@ -78,7 +79,8 @@ def test_a_winners_two_timings_count_as_noise(stacks):
 
     def row(median: float, first: float | None = None, runoff: float | None = None):
         timed = dataclasses.replace(win, first_median_us=first, runoff_median_us=runoff)
-        return dataclasses.replace(base, median_us=median, std_us=1.0, n=10, trials=(timed,))
+        return dataclasses.replace(base, winner=dataclasses.replace(base.winner, median_us=median),
+                                   std_us=1.0, n=10, trials=(timed,))
 
     ci = noise_us(row(100.0), row(100.0))  # 2.262 * 1 / sqrt(10) * sqrt(2) = 1.01 us
     assert ci == pytest.approx(1.0116, rel=1e-3)

@@ -10,7 +10,7 @@ from mla_tune.backends import get_backend
 from mla_tune.machine.fingerprint import current_device, current_software
 from mla_tune.problem.reference import mla_decode_reference
 from mla_tune.problem.shapes import KVFormat, Shape, generate_input
-from mla_tune.results.winners_file import WinnerRecord
+from mla_tune.results.winner import Winner
 from mla_tune.runtime.buckets import (
     Bucket,
     BucketEdges,
@@ -27,11 +27,11 @@ def err(out: torch.Tensor, data, fmt: str = "bf16") -> float:
     return float((out.float() - mla_decode_reference(*data, kv_format=fmt)).abs().max())
 
 
-def record(shape: Shape, config: dict, median_us: float = 10.0) -> WinnerRecord:
+def record(shape: Shape, config: dict, median_us: float = 10.0) -> Winner:
     """A torch-family winner of this machine and sources (as a sweep here would store)."""
     torch_family = get_backend("torch")
-    return WinnerRecord(current_device("cpu"), current_software(), shape, "torch",
-                        torch_family.source_hash(), config, median_us)
+    return Winner(current_device("cpu"), current_software(), shape, "torch",
+                  torch_family.source_hash(), config, median_us)
 
 
 TORCH_CFG = {"num_splits": 1, "chunk_size": 0, "compute_dtype": "float32"}

@@ -32,8 +32,8 @@ from mla_tune.problem.reference import mla_decode_reference
 from mla_tune.problem.shapes import Shape, generate_input
 from mla_tune.problem.verify import Tolerance, check, tolerance_for
 from mla_tune.results.selection import update_winner
+from mla_tune.results.winner import Winner
 from mla_tune.results.winners_file import (
-    WinnerRecord,
     export_winners,
     import_winners,
     write_winners_json,
@@ -683,9 +683,9 @@ def standin(monkeypatch):
 
 
 def _triton_winner(shape, config, median_us, ok=(), wrong=()):
-    return WinnerRecord(current_device("cpu"), current_software(), shape, "triton",
-                        get_backend("triton").source_hash(), dict(config), median_us,
-                        tuple(ok), tuple(wrong))
+    return Winner(current_device("cpu"), current_software(), shape, "triton",
+                  get_backend("triton").source_hash(), dict(config), median_us,
+                  tuple(ok), tuple(wrong))
 
 
 def _as_h200(d):

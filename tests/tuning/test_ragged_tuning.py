@@ -80,7 +80,7 @@ def test_a_swept_bucket_winner_routes_other_calls_of_its_bucket(tmp_path) -> Non
     assert r.exit_code == 0, r.output
     tuned = parse_ragged_shape("3", RaggedLengths.parse("uniform:140-250"))
     d = Dispatcher.from_db(str(db), device="cpu", kv_format="bf16")
-    assert d._table[tuned.key].record.shape == tuned
+    assert d._table[tuned.key].winner.shape == tuned
     other = Shape(3, (150, 170, 240))  # same bucket (mean in (128, 256]), other lengths
     assert other != tuned and bucket_of(other) == bucket_of(tuned)
     first = router_for(d).decisions(bucket_of(other), paged=False)[0]
