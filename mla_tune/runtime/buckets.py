@@ -77,7 +77,7 @@ from mla_tune.runtime.input_checks import kv_rows
 from mla_tune.tuning.space import config_key
 
 if TYPE_CHECKING:
-    from mla_tune.runtime.dispatcher import Decision, Dispatcher
+    from mla_tune.runtime.routing import Decision, RoutingTable
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +291,7 @@ def build_runner(decision: "Decision", shape: Shape, device: torch.device, *,
 class BucketRouter:
     """Bucket routing and runner cache of one Dispatcher (`router_for`)."""
 
-    def __init__(self, dispatcher: "Dispatcher", edges: BucketEdges | None = None) -> None:
+    def __init__(self, dispatcher: "RoutingTable", edges: BucketEdges | None = None) -> None:
         self.d = dispatcher
         self.edges = edges or BucketEdges.from_env()
         self.builds = 0
@@ -327,7 +327,7 @@ class BucketRouter:
         got = self._decided.get(key)
         if got is not None:
             return got
-        from mla_tune.runtime.dispatcher import Decision
+        from mla_tune.runtime.routing import Decision
 
         d = self.d
         rep = bucket.representative()
@@ -459,7 +459,8 @@ class BucketRouter:
 
     def _task_runner(self, data: TaskInput) -> Any:
         """Check a ragged task tuple in full and make its hot-path closure."""
-        from mla_tune.runtime.dispatcher import _check_tensor, _config_shape
+        from mla_tune.runtime.input_checks import check_tensor as _check_tensor
+        from mla_tune.runtime.routing import _config_shape
 
         if not isinstance(data, (tuple, list)) or len(data) != 5:
             raise ValueError("data must be the tuple (q, kv_data, qo_indptr, kv_indptr, config)")
@@ -549,14 +550,12 @@ def _rows(kv_data: Mapping[str, Any]) -> int:
 def split_entry(kv_data: Mapping[str, Any], fmt: KVFormat, rows: int, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(values, fp8 scale, MXFP4 scales) of format `fmt` of a task's kv_data, checked."""
-    from mla_tune.runtime.dispatcher import (
-        _E8M0_DTYPES,
-        _FP4_DTYPES,
-        _FP8_DTYPES,
-        FP4_PACKED_DIM,
-        MXFP4_BLOCKS,
-        _check_tensor,
-    )
+    from mla_tune.runtime.input_checks import E8M0_DTYPES as _E8M0_DTYPES
+    from mla_tune.runtime.input_checks import FP4_DTYPES as _FP4_DTYPES
+    from mla_tune.runtime.input_checks import FP4_PACKED_DIM
+    from mla_tune.runtime.input_checks import FP8_DTYPES as _FP8_DTYPES
+    from mla_tune.runtime.input_checks import MXFP4_BLOCKS
+    from mla_tune.runtime.input_checks import check_tensor as _check_tensor
 
     if fmt.value not in kv_data:
         raise ValueError(f"kv_data lacks {fmt.value!r}, the format this call runs in")
@@ -594,7 +593,7 @@ _ROUTERS: "weakref.WeakKeyDictionary[Any, BucketRouter]" = weakref.WeakKeyDictio
 _ROUTERS_LOCK = threading.Lock()
 
 
-def router_for(dispatcher: "Dispatcher") -> BucketRouter:
+def router_for(dispatcher: "RoutingTable") -> BucketRouter:
     """The bucket router of `dispatcher` (one per dispatcher, made on first use)."""
     r = _ROUTERS.get(dispatcher)
     if r is None:

@@ -17,13 +17,8 @@ available, so every winner can be compared with what users already have.
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import socket
-import threading
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
@@ -49,6 +44,11 @@ from mla_tune.results.winner import Winner
 from mla_tune.tuning.compile_ahead import CompileStage, CompileSummary
 from mla_tune.tuning.evaluate import TrialOutcome
 from mla_tune.tuning.optuna_study import open_study, study_name
+from mla_tune.tuning.owners import (  # noqa: F401 - owner_* re-exported
+    _signals_held,
+    owner_id,
+    owner_is_dead,
+)
 from mla_tune.tuning.plan import available_backends, shape_candidates
 from mla_tune.tuning.runoff import DEFAULT_FINALISTS, finalists, timed_together, timed_with
 from mla_tune.tuning.search import SearchDriver, Strategy, make_sampler
@@ -152,61 +152,14 @@ def resolve_backends(names: Sequence[str] | None, baselines: bool) -> list[Backe
     return [get_backend(n) for n in dict.fromkeys(chosen)]
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()[:8]
-    except OSError:
-        return "-"
 
 
-def owner_id() -> str:
-    """Who holds a claim: host, boot and process, so a sweep on the same machine can tell
-    that the holder is dead without waiting for its heartbeats to go stale."""
-    return f"{socket.gethostname()}/{_boot_id()}/{os.getpid()}"
 
 
-def owner_is_dead(owner: str) -> bool:
-    """True only when `owner` ran on this machine (same host, same boot) and its process
-    is gone; a holder elsewhere is judged by its heartbeats alone."""
-    host, boot, pid = (owner.rsplit("/", 2) + ["", "", ""])[:3]
-    if host != socket.gethostname() or boot != _boot_id() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
-_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-@contextmanager
-def _signals_held() -> Iterator[None]:
-    """Hold Ctrl-C and SIGTERM while a result is stored and told to Optuna, so a stop never
-    lands between the two (the study would be a trial short); a signal that came meanwhile
-    is handled on leaving, as it would have been. Handlers, not a signal mask: any thread
-    may receive a process's signal, and Python runs its handlers in the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-    before = {sig: signal.signal(sig, lambda signum, _frame: caught.append(signum))
-              for sig in _STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-        if caught:
-            handler = before[caught[0]]
-            if callable(handler):
-                handler(caught[0], None)
-            elif handler in (signal.SIG_DFL, None):
-                signal.raise_signal(caught[0])
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 import mla_tune.backends as backends
 import mla_tune.db as mla_db
 import mla_tune.runtime.dispatcher as dispatch
+import mla_tune.runtime.routing as routing
 from mla_tune.backends import get_backend, register
 from mla_tune.backends.base import Availability, Backend
 from mla_tune.backends.torch_family import TorchFamily
@@ -131,7 +132,7 @@ def test_variant_that_fails_to_build_falls_through_to_torch(disp, monkeypatch, c
     monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))  # undone after
     monkeypatch.setattr(backends, "_instances", dict(backends._instances))
     register("broken", "tests.runtime.test_dispatcher:BrokenBackend")
-    monkeypatch.setattr(dispatch, "HEURISTIC_BACKENDS", ("broken",))
+    monkeypatch.setattr(routing, "HEURISTIC_BACKENDS", ("broken",))
     shape = Shape.uniform(3, 64, heads=32)
     assert [d.reason for d in disp.decisions(shape)] == ["heuristic", "fallback"]
     data = generate_input(shape)
