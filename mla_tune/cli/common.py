@@ -87,12 +87,6 @@ def parse_formats(values: Sequence[str]) -> list[KVFormat]:
     return list(dict.fromkeys(formats))
 
 
-def default_device() -> str:
-    from mla_tune.tuning.devices import default_device
-
-    return default_device()
-
-
 def open_store(db: str | None, *, read_only: bool = False) -> Any:
     """The tuning DB; `read_only` opens it as it is (it must exist; nothing is created or
     migrated)."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from mla_tune.cli.common import DB_HELP, app, default_device, fail, out
+from mla_tune.cli.common import DB_HELP, app, fail, out
+from mla_tune.tuning.devices import default_device
 
 
 @app.command()

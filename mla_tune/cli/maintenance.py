@@ -58,7 +58,6 @@ def rehash(
     """Give results stored under the old bytes hash of this checkout's kernel sources the
     current (code-only) hash, so they count as current again."""
     from mla_tune.backends import source_files, source_hash_pairs, source_hashes
-    from mla_tune.backends.source_hash import hash_named_sources
     from mla_tune.results.rehash import GitRevisionError, find, git_hash_pairs
     from mla_tune.results.rehash import rehash as rehash_sources
 
@@ -76,8 +75,7 @@ def rehash(
         old_name = "the source hash given"
     elif from_git is not None:
         try:
-            pairs = git_hash_pairs(from_git, source_files(), hash_named_sources,
-                                   source_hashes())
+            pairs = git_hash_pairs(from_git, source_files(), source_hashes())
         except GitRevisionError as exc:
             fail(str(exc))
         old_name = f"their hash at {from_git}"

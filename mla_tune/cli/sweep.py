@@ -14,7 +14,6 @@ from mla_tune.cli.common import (
     DB_HELP,
     app,
     console,
-    default_device,
     fail,
     log,
     open_store,
@@ -23,6 +22,7 @@ from mla_tune.cli.common import (
     tuning_shapes,
 )
 from mla_tune.problem.shapes import Shape
+from mla_tune.tuning.devices import default_device
 
 
 @app.command()

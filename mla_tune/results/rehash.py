@@ -19,10 +19,11 @@ that may change a result.
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from mla_tune.backends.source_hash import hash_named_sources
 from mla_tune.db import RenamedRows, SourceRow, TuningStore
 
 
@@ -63,11 +64,10 @@ class GitRevisionError(ValueError):
 
 
 def git_hash_pairs(rev: str, files: Mapping[str, list[Path]],
-                   code_hash: Callable[[list[tuple[str, bytes]]], str],
                    current: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     """(hash of the backend's files as they were at git `rev`, current hash) per backend of
     `files` (its current source paths) whose files all existed at `rev` under the same
-    repository paths; `code_hash` hashes (name, bytes) pairs as the backends do."""
+    repository paths, hashed as the backends hash their files."""
     out: dict[str, tuple[str, str]] = {}
     for backend, paths in files.items():
         blobs = []
@@ -77,7 +77,7 @@ def git_hash_pairs(rev: str, files: Mapping[str, list[Path]],
                 break
             blobs.append((p.name, data))
         else:
-            out[backend] = (code_hash(blobs), current[backend])
+            out[backend] = (hash_named_sources(blobs), current[backend])
     return out
 
 

@@ -73,7 +73,15 @@ from mla_tune.runtime.bucket_rules import (
     parse_kv_edges,
     rep_len,
 )
-from mla_tune.runtime.input_checks import kv_rows
+from mla_tune.runtime.input_checks import (
+    E8M0_DTYPES,
+    FP4_DTYPES,
+    FP4_PACKED_DIM,
+    FP8_DTYPES,
+    MXFP4_BLOCKS,
+    check_tensor,
+    kv_rows,
+)
 from mla_tune.tuning.space import config_key
 
 if TYPE_CHECKING:
@@ -459,7 +467,6 @@ class BucketRouter:
 
     def _task_runner(self, data: TaskInput) -> Any:
         """Check a ragged task tuple in full and make its hot-path closure."""
-        from mla_tune.runtime.input_checks import check_tensor as _check_tensor
         from mla_tune.runtime.routing import _config_shape
 
         if not isinstance(data, (tuple, list)) or len(data) != 5:
@@ -482,9 +489,9 @@ class BucketRouter:
             raise ValueError(f"config: {e}") from None
         fmt = self.d.choose_format(rep_probe, kv_data)
         dev = self.d.device
-        _check_tensor(q, "q", [torch.bfloat16], (b * ql, probe.heads, QK_HEAD_DIM), dev, True)
+        check_tensor(q, "q", [torch.bfloat16], (b * ql, probe.heads, QK_HEAD_DIM), dev, True)
         for t, n in ((qo, "qo_indptr"), (kvp, "kv_indptr")):
-            _check_tensor(t, n, [torch.int32], b + 1, dev)
+            check_tensor(t, n, [torch.int32], b + 1, dev)
         kv, scale, sc = split_entry(kv_data, fmt, rows, dev)
         bucket = self.bucket(b, rows, ql, probe.heads, fmt)
 
@@ -550,27 +557,20 @@ def _rows(kv_data: Mapping[str, Any]) -> int:
 def split_entry(kv_data: Mapping[str, Any], fmt: KVFormat, rows: int, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(values, fp8 scale, MXFP4 scales) of format `fmt` of a task's kv_data, checked."""
-    from mla_tune.runtime.input_checks import E8M0_DTYPES as _E8M0_DTYPES
-    from mla_tune.runtime.input_checks import FP4_DTYPES as _FP4_DTYPES
-    from mla_tune.runtime.input_checks import FP4_PACKED_DIM
-    from mla_tune.runtime.input_checks import FP8_DTYPES as _FP8_DTYPES
-    from mla_tune.runtime.input_checks import MXFP4_BLOCKS
-    from mla_tune.runtime.input_checks import check_tensor as _check_tensor
-
     if fmt.value not in kv_data:
         raise ValueError(f"kv_data lacks {fmt.value!r}, the format this call runs in")
     e, name = kv_data[fmt.value], f"kv_data[{fmt.value!r}]"
     if fmt is KVFormat.BF16:
-        _check_tensor(e, name, [torch.bfloat16], (rows, 1, QK_HEAD_DIM), device, True)
+        check_tensor(e, name, [torch.bfloat16], (rows, 1, QK_HEAD_DIM), device, True)
         return e, None, None
     if not isinstance(e, (tuple, list)) or len(e) != 2:
         raise ValueError(f"{name} must be a (values, scale) pair")
     if fmt is KVFormat.FP8:
-        _check_tensor(e[0], f"{name}[0]", _FP8_DTYPES, (rows, 1, QK_HEAD_DIM), device, True)
-        _check_tensor(e[1], f"{name}[1]", [torch.float32], 1, device)
+        check_tensor(e[0], f"{name}[0]", FP8_DTYPES, (rows, 1, QK_HEAD_DIM), device, True)
+        check_tensor(e[1], f"{name}[1]", [torch.float32], 1, device)
         return e[0], e[1], None
-    _check_tensor(e[0], f"{name}[0]", _FP4_DTYPES, (rows, 1, FP4_PACKED_DIM), device, True)
-    _check_tensor(e[1], f"{name}[1]", _E8M0_DTYPES, (-rows, -MXFP4_BLOCKS), device)
+    check_tensor(e[0], f"{name}[0]", FP4_DTYPES, (rows, 1, FP4_PACKED_DIM), device, True)
+    check_tensor(e[1], f"{name}[1]", E8M0_DTYPES, (-rows, -MXFP4_BLOCKS), device)
     packed = e[0] if e[0].dtype == torch.uint8 else e[0].view(torch.uint8)
     return packed, None, e[1]
 

@@ -40,6 +40,7 @@ from mla_tune.runtime.routing_rules import (
 )
 from mla_tune.tuning.space import ConfigError, ParamSpace, config_key
 
+# Routing decisions log under the dispatcher's name, where users and tests set its level.
 log = logging.getLogger("mla_tune.runtime.dispatcher")
 
 

@@ -44,7 +44,7 @@ from mla_tune.results.winner import Winner
 from mla_tune.tuning.compile_ahead import CompileStage, CompileSummary
 from mla_tune.tuning.evaluate import TrialOutcome
 from mla_tune.tuning.optuna_study import open_study, study_name
-from mla_tune.tuning.owners import (  # noqa: F401 - owner_* re-exported
+from mla_tune.tuning.owners import (
     _signals_held,
     owner_id,
     owner_is_dead,
@@ -631,5 +631,5 @@ def run_sweep(shapes: Sequence[Shape], backends: Sequence[Backend], store: Tunin
 
 
 __all__ = ["BackendSummary", "ShapeResult", "SweepError", "SweepInterrupted",
-           "SweepObserver", "SweepOptions", "owner_id", "owner_is_dead", "resolve_backends",
+           "SweepObserver", "SweepOptions", "resolve_backends",
            "run_sweep"]

@@ -11,12 +11,11 @@ from mla_tune.backends import get_backend, register
 from mla_tune.db import TrialGroup, TuningStore
 from mla_tune.machine.fingerprint import DeviceFingerprint
 from mla_tune.problem.shapes import Shape
+from mla_tune.tuning.owners import owner_id, owner_is_dead
 from mla_tune.tuning.sweep import (
     SweepError,
     SweepOptions,
     _pooled_fingerprint,
-    owner_id,
-    owner_is_dead,
     run_sweep,
 )
 from mla_tune.tuning.timing import TimingPolicy
