@@ -54,6 +54,9 @@ def variant_feasible(kv_format: str, kv_lens: tuple[int, ...], q_len: int, heads
             or str(config.get("kv_load", "pointer")) != "pointer"
             or str(config.get("fp8_convert", "staged")) != "staged"))):
         return False  # see block_m in configs/backends/triton.toml
+    if not bool(config.get("pdl", True)) and (
+            bool(config["fast_mode"]) or int(config["num_splits"]) == 1):
+        return False  # no second launch to make plain: see pdl in configs/backends/triton.toml
     if page_size > 1 and int(config["page_size"]) != 1:
         return False  # paged shapes use their own page size; avoid duplicate points
     # fp8 KV converted for the MMAs (fp8qk converts the values, to fp16).
@@ -80,7 +83,7 @@ def variant_config(kv_format: str, page_size: int, config: Mapping[str, Any]) ->
         page_size=variant_page_size(page_size, config),
         fast_mode=bool(config["fast_mode"]),
         fp8_convert=str(config.get("fp8_convert", "staged")),
-        kv_load=str(config.get("kv_load", "pointer")))
+        kv_load=str(config.get("kv_load", "pointer")), pdl=bool(config.get("pdl", True)))
 
 
 def build_variant(kv_format: str, kv_lens: list[int], q_len: int, heads: int,

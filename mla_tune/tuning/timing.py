@@ -1,9 +1,11 @@
 """Cold-L2 timing, following the leaderboard's protocol (problem.md, "Timing protocol").
 
-Per timed call: synchronize, flush L2 by writing a buffer at least twice its size, record a
-CUDA event, call, record an event, synchronize. Repeat until the relative standard error of
-the mean is below a target or the time budget is spent. Launch overhead and any per-call
-Python work are inside the timed region on purpose: users are ranked on them too.
+Per timed call: run other kernels (`OTHER_KERNELS`, as the leaderboard's harness draws a
+new input and checks the last output between two timed calls), synchronize, flush L2 by
+writing a buffer at least twice its size, record a CUDA event, call, record an event,
+synchronize. Repeat until the relative standard error of the mean is below a target or the
+time budget is spent. Launch overhead and any per-call Python work are inside the timed
+region on purpose: users are ranked on them too.
 """
 
 from __future__ import annotations
@@ -63,6 +65,17 @@ def _rse(samples: list[float]) -> float:
     return math.sqrt(var) / math.sqrt(n) / mean
 
 
+OTHER_KERNELS = "other-kernels"
+NOTHING = "nothing"
+BETWEEN_CALLS = (OTHER_KERNELS, NOTHING)
+"""Conditions a timed call can start in. The leaderboard's harness draws a new input and
+checks the last output between two timed calls; those kernels leave the SMs' instruction
+and constant caches holding their code, which the L2 flush does not touch. On the H200 a
+variant whose merge is a programmatic dependent launch took 30.6 us that way against 24.5
+back to back (fp8 4x8192, bench/results/submission_export.md), so back-to-back times
+ranked it first where the leaderboard does not."""
+
+
 @dataclass(frozen=True)
 class TimingPolicy:
     """When to stop repeating: enough samples and a small enough error, or budget spent."""
@@ -72,6 +85,14 @@ class TimingPolicy:
     max_runs: int = 500
     target_rse: float = 0.001
     budget_s: float = 1.0
+    between_calls: str = OTHER_KERNELS
+    """What runs between two timed calls besides the L2 flush: OTHER_KERNELS (the
+    leaderboard's condition) or NOTHING (back to back)."""
+
+    def __post_init__(self) -> None:
+        if self.between_calls not in BETWEEN_CALLS:
+            raise ValueError(f"between_calls must be one of {', '.join(BETWEEN_CALLS)}, got "
+                             f"{self.between_calls!r}")
 
     def done(self, samples: list[float], elapsed_s: float) -> bool:
         n = len(samples)
@@ -118,8 +139,31 @@ def _interleaved(policy: TimingPolicy, fns: Sequence[Callable[[], Any]],
     return [summarize(xs) for xs in samples]
 
 
+class OtherKernels:
+    """The harness's work between two timed calls, in miniature: a random draw, a small
+    float32 matrix product and an elementwise check with its reduction, on buffers of its
+    own allocated once (nothing is allocated per call)."""
+
+    def __init__(self, device: torch.device) -> None:
+        gen = torch.Generator(device=device).manual_seed(0)
+        self.draw = torch.empty(1 << 20, dtype=torch.float32, device=device)
+        self.a = torch.randn(256, 256, generator=gen, device=device)
+        self.prod = torch.empty(256, 256, dtype=torch.float32, device=device)
+        self.diff = torch.empty(256, 256, dtype=torch.float32, device=device)
+        self.bad = torch.empty((), dtype=torch.float32, device=device)
+        self.gen = gen
+
+    def __call__(self) -> None:
+        self.draw.normal_(generator=self.gen)
+        torch.mm(self.a, self.a, out=self.prod)
+        torch.sub(self.prod, self.a, out=self.diff)
+        torch.abs(self.diff, out=self.diff)
+        torch.amax(self.diff, out=self.bad)
+
+
 class CudaTimer:
-    """CUDA-event timer with an L2 flush before every call."""
+    """CUDA-event timer with an L2 flush before every call (after other kernels, as the
+    policy's `between_calls` says)."""
 
     def __init__(self, device: torch.device, policy: TimingPolicy | None = None) -> None:
         self.device = torch.device(device)
@@ -130,6 +174,8 @@ class CudaTimer:
         self._flush = torch.empty(self.flush_bytes // 4, dtype=torch.int32, device=self.device)
         self._start = torch.cuda.Event(enable_timing=True)
         self._end = torch.cuda.Event(enable_timing=True)
+        self._between = OtherKernels(self.device) \
+            if self.policy.between_calls == OTHER_KERNELS else None
 
     def flush_l2(self) -> None:
         """Evict the L2 cache (queued on the current stream), so the next call starts cold."""
@@ -137,6 +183,8 @@ class CudaTimer:
 
     def sample(self, fn: Callable[[], Any]) -> float:
         """One timed call with a cold L2, in microseconds."""
+        if self._between is not None:
+            self._between()
         self.flush_l2()
         self._start.record()
         fn()

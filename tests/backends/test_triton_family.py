@@ -50,3 +50,22 @@ def test_host_made_descriptors_only_where_no_tile_reaches_past_its_keys():
     assert host_block_ns(Shape(batch=2, kv_lens=(1024, 96))) == {32}
     assert host_block_ns(Shape(batch=2, kv_lens=(1024, 100))) == set()
     assert host_block_ns(Shape.uniform(4, 1024, q_len=2)) == set()
+
+
+def test_plain_merge_launch_is_a_knob_only_where_a_second_launch_runs():
+    from mla_tune.backends.triton_family import kernel_config
+
+    shape = Shape.uniform(4, 1024)
+    points = TritonFamily().candidates(shape, torch.device("cuda"))
+    plain = [c for c in points if not c["pdl"]]
+    assert plain and all(not c["fast_mode"] and c["num_splits"] != 1 for c in plain)
+    assert any(c["pdl"] and c["fast_mode"] for c in points)
+    cfg = kernel_config(shape, plain[0])
+    assert cfg.pdl is False
+    # The merge kernel of a plain point is an ordinary launch on sm_90; PDL's otherwise.
+    assert "launch_pdl" not in cfg.merge_options(upcast=False, nvidia=True)
+    pdl_cfg = kernel_config(shape, {**plain[0], "pdl": True})
+    assert pdl_cfg.merge_options(upcast=False, nvidia=True)["launch_pdl"] is True
+    # Stored configs from before the knob (no "pdl" key) keep the PDL merge.
+    old = {k: v for k, v in plain[0].items() if k != "pdl"}
+    assert kernel_config(shape, old).pdl is True

@@ -62,6 +62,7 @@ def seeded_db(tmp_path_factory):
     (["--shape", "4x64", "--pin", "torch.warp_size=1"], "unknown parameter"),
     (["--shape", "4x64", "--pin", "num_splits=1"], "bad pin"),
     (["--shape", "4x64", "--retry", "ok"], "--retry takes failed, timeout or wrong"),
+    (["--shape", "4x64", "--between-calls", "sleep"], "--between-calls"),
 ])
 def test_bad_input_exits_2_and_leaves_db_unchanged(tmp_path, seeded_db, args, message):
     db = tmp_path / "tuning.db"

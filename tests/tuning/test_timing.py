@@ -3,7 +3,16 @@ import time
 
 import pytest
 
-from mla_tune.tuning.timing import TimingPolicy, WallTimer, make_timer, summarize
+from mla_tune.tuning.timing import (
+    NOTHING,
+    OTHER_KERNELS,
+    CudaTimer,
+    OtherKernels,
+    TimingPolicy,
+    WallTimer,
+    make_timer,
+    summarize,
+)
 
 
 def test_summarize_statistics():
@@ -60,3 +69,39 @@ def test_a_single_callable_is_timed_call_by_call():
     timer = WallTimer(TimingPolicy(warmup=2, min_runs=3, max_runs=3, target_rse=0.0))
     assert timer.measure(lambda: calls.append("a")).n == 3
     assert len(calls) == 5
+
+
+def test_policy_names_what_runs_between_calls():
+    assert TimingPolicy().between_calls == OTHER_KERNELS  # the leaderboard's condition
+    assert TimingPolicy(between_calls=NOTHING).between_calls == NOTHING
+    with pytest.raises(ValueError, match="between_calls must be one of"):
+        TimingPolicy(between_calls="sleep")
+
+
+def test_other_kernels_work_on_their_own_buffers():
+    import torch
+
+    work = OtherKernels(torch.device("cpu"))
+    before = work.draw.clone()
+    ptrs = [t.data_ptr() for t in (work.draw, work.prod, work.diff, work.bad)]
+    work()
+    assert not torch.equal(before, work.draw)  # a new draw each call
+    assert work.bad.item() == pytest.approx((work.a @ work.a - work.a).abs().max().item())
+    assert [t.data_ptr() for t in (work.draw, work.prod, work.diff, work.bad)] == ptrs
+
+
+def test_cuda_timer_runs_other_kernels_before_each_timed_call():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("CudaTimer needs a CUDA GPU")
+    order: list[str] = []
+    for between, want in ((OTHER_KERNELS, ["other", "call"] * 3), (NOTHING, ["call"] * 3)):
+        order.clear()
+        timer = CudaTimer(torch.device("cuda"), TimingPolicy(warmup=0, min_runs=3, max_runs=3,
+                                                             between_calls=between))
+        if timer._between is not None:
+            real = timer._between
+            timer._between = lambda real=real: (order.append("other"), real())
+        timer.measure(lambda: order.append("call"))
+        assert order == want
