@@ -21,6 +21,7 @@ import torch
 import mla_tune.kernels.triton
 from mla_tune.backends.base import Availability, Backend, KernelFn
 from mla_tune.problem.shapes import SM_SCALE, KVFormat, Shape
+from mla_tune.tuning.space import ParamSpace
 
 _KERNEL_DIR = Path(mla_tune.kernels.triton.__file__).resolve().parent
 
@@ -75,6 +76,13 @@ class TritonFamily(Backend):
             if arch == "gfx942":
                 return "fp8 kernels use OCP e4m3fn; MI300 (gfx942) stores e4m3fnuz"
         return None
+
+    def declared_space(self, device: torch.device) -> ParamSpace:
+        """The TOML space, taking the launch rules' meaning of knobs a stored config lacks
+        (`KNOB_DEFAULTS`: configs tuned before the knob keep routing)."""
+        from mla_tune.kernels.triton.launch import KNOB_DEFAULTS
+
+        return super().declared_space(device).with_defaults(KNOB_DEFAULTS)
 
     def feasible(self, shape: Shape, config: Mapping[str, Any]) -> bool:
         from mla_tune.kernels.triton.launch import variant_feasible

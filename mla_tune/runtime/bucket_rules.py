@@ -72,6 +72,15 @@ def rep_len(kv_lo: int, kv_hi: int, q_len: int) -> int:
     return max(q_len, round(math.sqrt(lo * kv_hi)))
 
 
+def winner_pages(page_size: int) -> tuple[int, ...]:
+    """The page sizes whose tuned winners a bucket of `page_size` takes, in order: its own,
+    then the contiguous (page 1) ones, made length-independent by `bucket_config`. So a
+    paged bucket without a ragged winner of its page size takes the contiguous bucket's
+    ragged winner before any uniform winner, as its uniform lookup takes its own page
+    size's winners before the contiguous ones."""
+    return (page_size, 1) if page_size != 1 else (1,)
+
+
 def bucket_config(backend: str, config: Mapping[str, Any], *,
                   paged: bool) -> dict[str, Any] | None:
     """`config` made independent of the lengths, or None when the family has no bucket
@@ -79,7 +88,8 @@ def bucket_config(backend: str, config: Mapping[str, Any], *,
     runs as `'tma'` (per-program descriptors, the same tiles) on a contiguous cache; paged
     reads use pointer loads; the page-size knob is 1 (contiguous: direct rows, since a
     page table from the knob would fix the lengths; paged: the call's own page size,
-    which the shape carries)."""
+    which the shape carries). Every other knob is kept: `seg_cost` is the bucket
+    runner's own (the balanced schedule's setup charge per sequence)."""
     if backend not in BUCKET_BACKENDS:
         return None
     out = dict(config)

@@ -25,9 +25,12 @@ schedule ("Balanced schedule" in kernels/triton/mla_decode.py: the keys of the w
 cut evenly between a fixed number of programs, so long sequences make no tail), so one
 runner serves every length of its bucket with no rebuild, recompile or allocation, and a
 call is capturable in a CUDA graph. A tuned split count sets how many waves of programs
-run. Variant choice per bucket, first that builds:
+run, a tuned `seg_cost` the setup charged per sequence. The runner is the one a ragged
+sweep of the bucket builds and times (`balanced_launcher` in kernels/triton/launch.py).
+Variant choice per bucket, first that builds:
 0. `MLA_TUNE_FORCE`, where feasible;
-1. a winner tuned on a ragged batch of this bucket;
+1. a winner tuned on a ragged batch of this bucket ("exact"); for a paged bucket without
+   one, the contiguous (page 1) bucket's (`winner_pages`);
 2. the nearest tuned uniform shape of the same format/heads/q_len (its own page size
    first, then contiguous winners), by log distance over (batch, kv length);
 3. the dispatcher's occupancy heuristic; 4. the torch family.
@@ -47,7 +50,7 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,6 +75,7 @@ from mla_tune.runtime.bucket_rules import (
     kv_edges_from_env,
     parse_kv_edges,
     rep_len,
+    winner_pages,
 )
 from mla_tune.runtime.input_checks import (
     E8M0_DTYPES,
@@ -187,21 +191,17 @@ class _TritonBucket(BucketRunner):
     """The Triton family's balanced-schedule launcher (kernels/triton/mla_decode.py,
     `BalancedLauncher`) built once for the bucket's batch: its kernels split the keys of
     the whole batch evenly between programs from the lengths on the device, so one build
-    serves every length."""
+    serves every length. Built by `balanced_launcher` (kernels/triton/launch.py), as a
+    ragged sweep builds the variants it times."""
 
     def __init__(self, decision: "Decision", shape: Shape, paged: bool,
                  device: torch.device) -> None:
         super().__init__(decision, shape.batch, shape.q_len, shape.heads, paged)
-        from mla_tune.backends.triton_family import kernel_config
-        from mla_tune.kernels.triton.mla_decode import SCHED_PAGED, SCHED_TOKENS, BalancedLauncher
+        from mla_tune.kernels.triton.launch import balanced_launcher
 
-        cfg = kernel_config(shape, decision.config)
-        self.launcher = BalancedLauncher(
-            cfg, heads=shape.heads, q_len=shape.q_len, batch=shape.batch, device=device,
-            sched=SCHED_PAGED if paged else SCHED_TOKENS, page_size=shape.page_size,
-            sm_scale=SM_SCALE)
-        # Any MXFP4 scale row stride works: it is a runtime argument of the kernel.
-        self.launcher.prepare(sc_stride=24 if shape.kv_format is KVFormat.MXFP4 else 0)
+        self.launcher = balanced_launcher(
+            shape.kv_format.value, shape.batch, shape.q_len, shape.heads, decision.config,
+            device, paged=paged, page_size=shape.page_size, sm_scale=SM_SCALE)
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
                  kv_sc: torch.Tensor | None, qo_indptr: torch.Tensor,
@@ -283,6 +283,18 @@ class _TorchBucket(BucketRunner):
         return out.view(b * ql, h, V_HEAD_DIM).to(torch.bfloat16)
 
 
+def _runs_bucket(backend: Any, rep: Shape, config: Mapping[str, Any]) -> bool:
+    """Whether the family's bucket build runs `config` at the bucket's representative
+    (uniform) shape. Triton's is the balanced schedule whatever the lengths, so its knobs
+    (`seg_cost`) count as for a ragged shape."""
+    if backend.name != "triton":
+        return bool(backend.feasible(rep, config))
+    from mla_tune.kernels.triton.launch import variant_feasible
+
+    return variant_feasible(rep.kv_format.value, rep.kv_lens, rep.q_len, rep.heads,
+                            rep.page_size, config, balanced=True)
+
+
 def build_runner(decision: "Decision", shape: Shape, device: torch.device, *,
                  paged: bool) -> BucketRunner:
     """Build the bucket runner of `decision` for `shape` (the bucket's representative)."""
@@ -349,7 +361,7 @@ class BucketRouter:
                 return
             fam = d._family(backend)
             if isinstance(fam, str) or fam.backend.supports(rep) is not None \
-                    or not fam.backend.feasible(rep, cfg):
+                    or not _runs_bucket(fam.backend, rep, cfg):
                 return
             # Never a variant stored wrong at the bucket's shape, as tuned or as adapted.
             trust = getattr(d, "trust", None)
@@ -365,11 +377,14 @@ class BucketRouter:
         forced = d._forced(rep)
         if forced is not None:
             add(forced.backend, forced.config, "forced", forced.detail)
-        w = self._ragged_winners.get(bucket)
-        if w is not None:
-            add(w.winner.backend, w.config, "exact",
-                f"tuned on ragged batch {w.winner.shape.label()}", w.winner.median_us,
-                w.winner.shape)
+        for page in winner_pages(bucket.page_size):
+            w = self._ragged_winners.get(replace(bucket, page_size=page))
+            if w is not None:
+                own = page == bucket.page_size
+                add(w.winner.backend, w.config, "exact" if own else "nearest",
+                    f"tuned on ragged batch {w.winner.shape.label()}"
+                    + ("" if own else f" p{page} (the contiguous bucket's)"),
+                    w.winner.median_us, w.winner.shape)
         lb, lk = math.log(rep.batch), math.log(rep.kv_len)
 
         def distance(w: Any) -> tuple[float, int, int]:
@@ -377,7 +392,7 @@ class BucketRouter:
             return (math.hypot(math.log(s.batch) - lb, math.log(s.kv_len) - lk), s.batch,
                     s.kv_len)
 
-        for page in dict.fromkeys((bucket.page_size, 1)):
+        for page in winner_pages(bucket.page_size):
             fam_key = (bucket.kv_format, bucket.heads, bucket.q_len, page)
             for w in sorted(d._uniform.get(fam_key, ()), key=distance):
                 s = w.winner.shape

@@ -30,13 +30,15 @@ from mla_tune.runtime.input_checks import (
 )
 from mla_tune.runtime.routing_rules import (
     ROW_BLOCK_KNOB,
-    distinct_variants,
+    TRANSFER_TRIES,
     format_rank,
-    model_knobs,
-    model_ranking,
     nearest_distance,
+    row_model_note,
+    row_model_picks,
     transfer_distance,
+    transfer_order,
     trust_tier,
+    tuned_route_order,
 )
 from mla_tune.tuning.space import ConfigError, ParamSpace, config_key
 
@@ -55,10 +57,6 @@ LAST_RESORT = "torch"
 
 FORMAT_ORDER = (KVFormat.BF16, KVFormat.FP8, KVFormat.MXFP4)
 
-
-TRANSFER_TRIES = 3
-"""Variants a moved tuned shape offers (best first), so one the precheck prunes (a spill
-the shape arithmetic cannot see) falls to the next moved variant, not the heuristic."""
 
 
 @dataclass(frozen=True)
@@ -367,11 +365,7 @@ class RoutingTable:
             return [Decision(shape, w.winner.backend, w.config, "exact",
                              f"tuned winner of this shape, {w.winner.median_us:.1f} us{note}",
                              w.winner.median_us, w.winner.shape)]
-        as_tuned = self._nearest_as_tuned(shape)
-        out = [d for tier, d in as_tuned if tier == 0]
-        out += self._moved(shape)
-        out += [d for tier, d in as_tuned if tier > 0][:1]
-        return out
+        return tuned_route_order(self._nearest_as_tuned(shape), self._moved(shape))
 
     def _nearest_as_tuned(self, shape: Shape) -> list[tuple[int, Decision]]:
         """(trust tier, decision) of the nearest feasible tuned uniform shapes of the call's
@@ -412,7 +406,7 @@ class RoutingTable:
         nothing says how a config tuned for other rows behaves."""
         rows = shape.q_len * shape.heads
         own = _shape_family(shape)
-        sources = []
+        loaded, sources = [], []
         for fam_key, winners in self._uniform.items():
             if (fam_key[0], fam_key[3]) != (shape.kv_format, shape.page_size):
                 continue
@@ -420,20 +414,20 @@ class RoutingTable:
                 if ROW_BLOCK_KNOB not in w.config:
                     continue  # the model moves row-blocked variants only
                 s = w.winner.shape
-                sources.append((transfer_distance(shape.batch, shape.kv_len, rows,
-                                                  shape.q_len, s.batch, s.kv_len,
-                                                  s.q_len * s.heads, s.q_len),
-                                fam_key != own, w))
-        for dist, other, w in sorted(sources, key=lambda x: (x[0][0], x[1], x[0][1:],
-                                                             x[2].winner.backend,
-                                                             config_key(x[2].config))):
+                loaded.append(w)
+                sources.append((s.batch, s.kv_len, s.q_len * s.heads, s.q_len, fam_key != own,
+                                (w.winner.backend, config_key(w.config))))
+        for i in transfer_order(shape.batch, shape.kv_len, rows, shape.q_len, sources):
+            w, other = loaded[i], sources[i][4]
+            s = w.winner.shape
+            dist = transfer_distance(shape.batch, shape.kv_len, rows, shape.q_len, s.batch,
+                                     s.kv_len, s.q_len * s.heads, s.q_len)
             fam = self._family(w.winner.backend)
             if isinstance(fam, str) or fam.backend.supports(shape) is not None:
                 continue
             moved = self._row_model(w.winner.backend, fam, shape, w, TRANSFER_TRIES)
             if not moved:
                 continue
-            s = w.winner.shape
             what = ("a tuned shape of another q_len/heads family" if other
                     else "ragged call: nearest tuned shape" if shape.is_ragged
                     else "no winner here; nearest tuned shape")
@@ -456,21 +450,16 @@ class RoutingTable:
         if not trusted:
             return []
         rows = shape.q_len * shape.heads
-        blocks = {int(c[ROW_BLOCK_KNOB]) for c, _ in trusted if ROW_BLOCK_KNOB in c}
         src = None
         if source is not None:
             s = source.winner.shape
             src = (source.config, s.batch, s.q_len * s.heads, s.kv_len)
-        most = max((int(c.get("num_splits", 1)) for c, _ in trusted), default=1)
-        block_m, want = model_knobs(shape.batch, rows, shape.kv_len, self.fingerprint.sm_count,
-                                    blocks or {16}, src, max_splits=max(most, 1))
-        order = model_ranking([c for c, _ in trusted], block_m if blocks else None, want,
-                              source.config if source is not None else None,
-                              dict(fam.space.params), [t[0] == 2 for _, t in trusted])
-        unit = "cores" if self.fingerprint.vendor == "cpu" else "SMs"
-        note = (f"row model: {rows} rows" + (f" in blocks of {block_m}" if blocks else "")
-                + f", {want:.3g} split(s) over {self.fingerprint.sm_count} {unit}")
-        picked = distinct_variants([c for c, _ in trusted], order, limit)
+        units = self.fingerprint.sm_count
+        picked, block_m, want = row_model_picks(
+            shape.batch, rows, shape.kv_len, units, [c for c, _ in trusted],
+            [t[0] for _, t in trusted], dict(fam.space.params), src, limit)
+        note = row_model_note(rows, block_m, want, units,
+                              "cores" if self.fingerprint.vendor == "cpu" else "SMs")
         return [(trusted[i][0], trusted[i][1], note) for i in picked]
 
     def _heuristic(self, shape: Shape) -> Decision | None:

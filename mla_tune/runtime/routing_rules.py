@@ -90,7 +90,11 @@ ROW_KNOBS = (ROW_BLOCK_KNOB, "num_warps", "num_splits")
 tuned shape (the Triton family ties `num_warps` to `block_m`)."""
 
 
-RUNTIME_KNOBS = ("num_splits", "fast_mode")
+TRANSFER_TRIES = 3
+"""Variants a moved tuned shape offers (best first), so one the precheck prunes (a spill
+the shape arithmetic cannot see) falls to the next moved variant, not the heuristic."""
+
+RUNTIME_KNOBS = ("num_splits", "fast_mode", "seg_cost")
 """Knobs that change no compiled kernel: alternatives that differ only in them would fail a
 compile-time precheck alike (`distinct_variants`)."""
 
@@ -202,6 +206,51 @@ def transfer_distance(batch: int, kv_len: int, rows: int, q_len: int, tuned_batc
                       + (math.log(tuned_kv_len) - math.log(kv_len)) ** 2
                       + (math.log(tuned_rows) - math.log(rows)) ** 2),
             abs(tuned_q_len - q_len), tuned_rows, tuned_batch, tuned_kv_len)
+
+
+def row_model_picks(batch: int, rows: int, kv_len: int, units: int, candidates: list,
+                    tiers: list, choices: dict, source: tuple | None,
+                    limit: int) -> tuple[list[int], int | None, float]:
+    """The row model's choice among a family's feasible `candidates` for a call (none of
+    them stored wrong here; `tiers[i]` their trust tier, 2 = suspect): up to `limit`
+    indices, best first, each differing from the one before in a compiled knob; with the
+    block (None for a family without one) and the split target the model wanted. `source`
+    as `model_knobs` takes it (the tuned variant moved here), None for the heuristic."""
+    blocks = {int(c[ROW_BLOCK_KNOB]) for c in candidates if ROW_BLOCK_KNOB in c}
+    most = max((int(c.get("num_splits", 1)) for c in candidates), default=1)
+    block_m, want = model_knobs(batch, rows, kv_len, units, blocks or {16}, source,
+                                max_splits=max(most, 1))
+    order = model_ranking(candidates, block_m if blocks else None, want,
+                          source[0] if source is not None else None, choices,
+                          [t == 2 for t in tiers])
+    return distinct_variants(candidates, order, limit), (block_m if blocks else None), want
+
+
+def row_model_note(rows: int, block_m: int | None, want: float, units: int,
+                   unit_name: str) -> str:
+    """What the row model wanted, as a route's detail says it."""
+    return (f"row model: {rows} rows" + (f" in blocks of {block_m}" if block_m else "")
+            + f", {want:.3g} split(s) over {units} {unit_name}")
+
+
+def transfer_order(batch: int, kv_len: int, rows: int, q_len: int, sources: list) -> list[int]:
+    """Indices of tuned uniform shapes to move a variant from, nearest first: `sources[i]`
+    is (batch, kv length, rows, q_len, of another q_len/heads family than the call's,
+    tie-break text), ordered by `transfer_distance`, the call's own family first on equal
+    distance, then the rest of the distance key and the tie-break."""
+    keyed = [(transfer_distance(batch, kv_len, rows, q_len, b, kv, r, ql), other, tie, i)
+             for i, (b, kv, r, ql, other, tie) in enumerate(sources)]
+    keyed.sort(key=lambda x: (x[0][0], x[1], x[0][1:], x[2]))
+    return [x[3] for x in keyed]
+
+
+def tuned_route_order(as_tuned: list, moved: list) -> list:
+    """Where a call without its own winner goes, in order: a tuned variant of its family
+    verified at this very shape (as tuned), the nearest tuned shape's variant moved by the
+    row model, then the nearest tuned shape of its family's variant as tuned. `as_tuned`
+    holds (trust tier, route) pairs, nearest first; `moved` the moved routes."""
+    return ([r for tier, r in as_tuned if tier == 0] + list(moved)
+            + [r for tier, r in as_tuned if tier > 0][:1])
 
 
 def closest_splits(candidate_splits: list, want: int, suspect: list | None = None) -> int:

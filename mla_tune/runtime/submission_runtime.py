@@ -3,15 +3,19 @@
 Copied verbatim into the exported file after routing_rules.py, bucket_rules.py,
 input_checks.py, kernels/triton/mla_decode.py and kernels/triton/launch.py, and followed
 there by the table literals (`TABLE_DEVICE`, `TABLE_WINNERS`, `TRITON_SPACES`,
-`TABLE_CHECKS`) and `custom_kernel`. It routes like the dispatcher (mla_tune/runtime/dispatcher.py):
-the exact tuned shape, else the nearest tuned uniform shape of the same format/heads/q_len,
-else the occupancy heuristic on the Triton family, else plain PyTorch; never a variant
-stored wrong for the call's shape, with the dispatcher's trust tiers
-(`routing_rules.trust_tier`) over where each winner's config was verified. A ragged call
+`TABLE_CHECKS`) and `custom_kernel`. It routes like the dispatcher (mla_tune/runtime/routing.py), on
+the same rules (routing_rules.py): the exact tuned shape; else a tuned variant of the call's
+family verified at its shape, the nearest tuned uniform shape of any q_len/heads family
+with its variant moved by the row model (block and splits re-derived), the nearest tuned
+shape of the call's family as tuned; then the row model's heuristic on the Triton family,
+then plain PyTorch; never a variant stored wrong for the call's shape, with the
+dispatcher's trust tiers (`routing_rules.trust_tier`) over where each winner's config was
+verified. A ragged call
 (its KV holds fewer rows than `batch * kv_seq_len`) runs its length bucket's variant, as
 the dispatcher's bucket router does (mla_tune/runtime/buckets.py, on the rules of
-bucket_rules.py): routed and built once per bucket as the bucket's representative uniform
-shape, with the config made length-independent, reading each sequence's length from
+bucket_rules.py): routed once per bucket as the bucket's representative uniform shape,
+with the config made length-independent, and built as the dispatcher's bucket runner (the
+balanced schedule, `build_bucket_variant`), reading each sequence's length from
 `kv_indptr` on the device. A variant whose build or first call fails falls through to the
 next. A key's first call is checked in full, by the dispatcher's own checks
 (input_checks.py), and its indptrs are read on the host once; its later calls are one dict
@@ -23,6 +27,7 @@ are the files copied before it.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import platform
 import sys
@@ -31,13 +36,19 @@ from typing import Any
 
 import torch
 
-from mla_tune.kernels.triton.launch import build_variant, variant_feasible
+from mla_tune.kernels.triton.launch import (
+    build_bucket_variant,
+    build_variant,
+    complete_config,
+    variant_feasible,
+)
 from mla_tune.runtime.bucket_rules import (
     bucket_config,
     is_ragged_rows,
     kv_class,
     kv_edges_from_env,
     rep_len,
+    winner_pages,
 )
 from mla_tune.runtime.input_checks import (
     TASK_QK_DIM,
@@ -49,14 +60,18 @@ from mla_tune.runtime.input_checks import (
 )
 from mla_tune.runtime.routing_rules import (
     FORMAT_NAMES,
+    ROW_BLOCK_KNOB,
+    TRANSFER_TRIES,
     call_key,
-    closest_splits,
     config_text,
     format_rank,
     nearest_distance,
-    occupancy_splits,
+    row_model_note,
+    row_model_picks,
     shape_key,
+    transfer_order,
     trust_tier,
+    tuned_route_order,
 )
 
 SUB_TRACE_ENV = "MLA_TUNE_TRACE"
@@ -173,11 +188,22 @@ class SubmissionRouter:
                        if torch.cuda.is_available() else torch.device("cpu"))
         self.here = sub_device_fingerprint(self.device)
         self.mine = self.here == device_json
-        self.winners = winners if self.mine else {}
+        names, choices = zip(*spaces["cpu" if self.device.type == "cpu" else "cuda"])
+        # Configs in one form, knobs stored before they existed spelled out as the
+        # dispatcher's space validates them (`complete_config`): table, checks and grid.
+        self.winners = {k: (*w[:6], complete_config(w[6], names), *w[7:])
+                        for k, w in (winners if self.mine else {}).items()}
         self.stacks = stacks
         # config text -> (shape keys verified ok, stored wrong, a wrong shape per family)
+        merged: dict[str, tuple[set, set, dict]] = {}
+        for k, (ok, bad, fam) in (checks if self.mine else {}).items():
+            acc = merged.setdefault(config_text(complete_config(json.loads(k), names)),
+                                    (set(), set(), {}))
+            acc[0].update(ok)
+            acc[1].update(bad)
+            acc[2].update({f: v for f, v in fam.items() if f not in acc[2]})
         self.checks = {k: (frozenset(ok), frozenset(bad), fam)
-                       for k, (ok, bad, fam) in (checks if self.mine else {}).items()}
+                       for k, (ok, bad, fam) in merged.items()}
         self.edges = kv_edges_from_env(os.environ)
         self.uniform: dict[tuple, list[tuple]] = {}
         self.ragged: dict[tuple, tuple] = {}
@@ -186,11 +212,12 @@ class SubmissionRouter:
             if isinstance(kv, int):
                 self.uniform.setdefault((fmt, heads, q_len, page), []).append(w)
             else:  # the fastest winner tuned on a ragged batch of each bucket
-                key = (fmt, batch, *kv_class(self.edges, sum(kv) / batch), q_len, heads)
+                key = (fmt, batch, *kv_class(self.edges, sum(kv) / batch), q_len, heads,
+                       page)
                 if key not in self.ragged or w[7] < self.ragged[key][7]:
                     self.ragged[key] = w
-        names, choices = zip(*spaces["cpu" if self.device.type == "cpu" else "cuda"])
         self.grid = [dict(zip(names, c)) for c in itertools.product(*choices)]
+        self.space = dict(zip(names, choices))
         interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
         self.triton = (self.device.type == "cpu") == interp
         self.gfx942 = bool(torch.version.hip) and self.here.get("arch") == "gfx942"
@@ -214,59 +241,113 @@ class SubmissionRouter:
     def _triton_runs(self, fmt: str) -> bool:
         return self.triton and not (fmt == "fp8" and self.gfx942)
 
-    def tuned(self, fmt: str, batch: int, kv_lens: tuple, q_len: int,
-              heads: int) -> tuple | None:
-        """("exact" | "nearest", config, tuned us, tuned total kv, tuned key) or None."""
-        if not self._triton_runs(fmt):
-            return None
-        key = shape_key(batch, kv_lens, q_len, heads, fmt)
-        w = self.winners.get(key)
-        if w is not None:
-            return ("exact", w[6], w[7], w[1] * w[2] if isinstance(w[2], int) else sum(w[2]),
-                    key)
-        kv_len = max(kv_lens)
-
-        ranked = []
-        for w in self.uniform.get((fmt, heads, q_len, 1), ()):
-            t = self.trust(w[6], fmt, kv_lens, batch, q_len, heads)
-            if t is not None and t[0] < 2:  # never stored wrong here nor suspect
-                ranked.append((t[0], nearest_distance(batch, kv_len, w[1], w[2]), w))
-        for _, _, w in sorted(ranked, key=lambda x: x[:2]):
-            if variant_feasible(fmt, kv_lens, q_len, heads, 1, w[6]):
-                return ("nearest", w[6], w[7], w[1] * w[2],
-                        shape_key(w[1], (w[2],), q_len, heads, fmt))
-        return None
-
-    def heuristic(self, fmt: str, batch: int, kv_lens: tuple, q_len: int,
-                  heads: int) -> tuple[dict, str] | None:
-        """The occupancy heuristic's Triton config for the shape, and why; None if no
-        candidate of the grid runs it unless stored wrong here."""
-        if not self._triton_runs(fmt):
-            return None
-        units = self.here["sm_count"]
-        splits = occupancy_splits(batch, q_len * heads, max(kv_lens), units)
-        cands, suspect = [], []
+    def _trusted(self, fmt: str, batch: int, kv_lens: tuple, q_len: int,
+                 heads: int) -> list[tuple[dict, tuple[int, str]]]:
+        """The grid's points that run the shape and are not stored wrong here, with their
+        trust, in the grid's order (the dispatcher's family candidates)."""
+        out = []
         for c in self.grid:
             if variant_feasible(fmt, kv_lens, q_len, heads, 1, c):
                 t = self.trust(c, fmt, kv_lens, batch, q_len, heads)
                 if t is not None:
-                    cands.append(c)
-                    suspect.append(t[0] == 2)
-        if not cands:
+                    out.append((c, t))
+        return out
+
+    def _row_model(self, fmt: str, batch: int, kv_lens: tuple, q_len: int, heads: int,
+                   source: tuple | None, limit: int) -> list[tuple[dict, tuple, str]]:
+        """Up to `limit` configs by the row model (RoutingTable._row_model): moved from
+        the tuned winner `source`, or the heuristic's when None; each with its trust and
+        what the model wanted."""
+        trusted = self._trusted(fmt, batch, kv_lens, q_len, heads)
+        if not trusted:
+            return []
+        rows, units = q_len * heads, self.here["sm_count"]
+        src = None if source is None else (source[6], source[1], source[3] * source[4],
+                                           source[2])
+        picked, block_m, want = row_model_picks(
+            batch, rows, max(kv_lens), units, [c for c, _ in trusted],
+            [t[0] for _, t in trusted], self.space, src, limit)
+        note = row_model_note(rows, block_m, want, units,
+                              "cores" if self.here.get("vendor") == "cpu" else "SMs")
+        return [(trusted[i][0], trusted[i][1], note) for i in picked]
+
+    def _moved(self, fmt: str, batch: int, kv_lens: tuple, q_len: int,
+               heads: int) -> list[tuple]:
+        """The nearest tuned uniform shape of any q_len/heads family, its variant moved by
+        the row model (RoutingTable._moved), as `tuned_all` routes."""
+        rows, own = q_len * heads, (fmt, heads, q_len, 1)
+        loaded, sources = [], []
+        for fam, ws in self.uniform.items():
+            if (fam[0], fam[3]) != (fmt, 1):
+                continue
+            for w in ws:
+                if ROW_BLOCK_KNOB in w[6]:
+                    loaded.append(w)
+                    sources.append((w[1], w[2], w[3] * w[4], w[3], fam != own,
+                                    ("triton", config_text(w[6]))))
+        for i in transfer_order(batch, max(kv_lens), rows, q_len, sources):
+            w, other = loaded[i], sources[i][4]
+            moved = self._row_model(fmt, batch, kv_lens, q_len, heads, w, TRANSFER_TRIES)
+            if moved:
+                reason = "transfer" if other else "nearest"
+                key = shape_key(w[1], (w[2],), w[3], w[4], fmt)
+                return [(reason, c, w[7], w[1] * w[2], key,
+                         f"{key} ({w[7]:.1f} us there) moved: {note}; {t[1]}")
+                        for c, t, note in moved]
+        return []
+
+    def tuned_all(self, fmt: str, batch: int, kv_lens: tuple, q_len: int,
+                  heads: int) -> list[tuple]:
+        """The dispatcher's tuned routes of a uniform call (RoutingTable._tuned_all), as
+        (reason, config, tuned us, tuned total kv, tuned key, detail): the exact winner;
+        else a variant of the call's family verified here, the nearest tuned shape's
+        variant moved by the row model, the nearest tuned shape of the family as tuned."""
+        if not self._triton_runs(fmt):
+            return []
+        key = shape_key(batch, kv_lens, q_len, heads, fmt)
+        w = self.winners.get(key)
+        if w is not None:
+            total = w[1] * w[2] if isinstance(w[2], int) else sum(w[2])
+            return [("exact", w[6], w[7], total, key, f"{key} tuned at {w[7]:.1f} us")]
+        ranked = []
+        for w in self.uniform.get((fmt, heads, q_len, 1), ()):
+            t = self.trust(w[6], fmt, kv_lens, batch, q_len, heads)
+            if t is not None and t[0] < 2:  # never stored wrong here nor suspect
+                ranked.append((t[0], nearest_distance(batch, max(kv_lens), w[1], w[2]), w))
+        as_tuned: list[tuple[int, tuple]] = []
+        for tier, _, w in sorted(ranked, key=lambda x: x[:2]):
+            if any(t == tier for t, _ in as_tuned) \
+                    or not variant_feasible(fmt, kv_lens, q_len, heads, 1, w[6]):
+                continue
+            wkey = shape_key(w[1], (w[2],), q_len, heads, fmt)
+            as_tuned.append((tier, ("nearest", w[6], w[7], w[1] * w[2], wkey,
+                                    f"{wkey} as tuned ({w[7]:.1f} us there)")))
+        return tuned_route_order(as_tuned, self._moved(fmt, batch, kv_lens, q_len, heads))
+
+    def heuristic(self, fmt: str, batch: int, kv_lens: tuple, q_len: int,
+                  heads: int) -> tuple[dict, str] | None:
+        """The row model's Triton config for the shape without a tuned shape
+        (RoutingTable._heuristic), and why; None if no point of the grid runs it unless
+        stored wrong here."""
+        if not self._triton_runs(fmt):
             return None
-        c = cands[closest_splits([x["num_splits"] for x in cands], splits, suspect)]
-        return c, f"occupancy model wants {splits} split(s) over {units} units"
+        for c, t, note in self._row_model(fmt, batch, kv_lens, q_len, heads, None, 1):
+            return c, f"no tuned shape to move here; {note}; {t[1]}"
+        return None
 
     def decisions(self, fmt: str, batch: int, kv_lens: tuple, q_len: int,
                   heads: int) -> list[tuple[str, dict | None, str]]:
         """(reason, Triton config or None for PyTorch, detail) in the order tried."""
         out: list[tuple[str, dict | None, str]] = []
-        t = self.tuned(fmt, batch, kv_lens, q_len, heads)
-        if t is not None and self.trust(t[1], fmt, kv_lens, batch, q_len, heads) is not None:
-            out.append((t[0], t[1], f"{t[4]} tuned at {t[2]:.1f} us"))
+        seen: set[str] = set()
         h = self.heuristic(fmt, batch, kv_lens, q_len, heads)
-        if h is not None and (t is None or h[0] != t[1]):
-            out.append(("heuristic", h[0], h[1]))
+        tuned = [(r[0], r[1], r[5]) for r in self.tuned_all(fmt, batch, kv_lens, q_len, heads)]
+        for reason, config, detail in tuned + ([("heuristic", *h)] if h else []):
+            k = config_text(config)
+            if k not in seen and self.trust(config, fmt, kv_lens, batch, q_len,
+                                            heads) is not None:
+                seen.add(k)
+                out.append((reason, config, detail))
         out.append(("fallback", None, "plain PyTorch"))
         return out
 
@@ -276,8 +357,10 @@ class SubmissionRouter:
         (kv_lo, kv_hi]`: the winner tuned on a ragged batch of the bucket, the tuned
         uniform shapes of the format/heads/q_len nearest the representative, the
         heuristic, PyTorch; each config made length-independent (`bucket_config`) and
-        kept only where it runs the representative shape and was not stored wrong there
-        as tuned or as adapted."""
+        kept only where the bucket runner (the balanced schedule) runs it at the
+        representative shape and it was not stored wrong there as tuned or as adapted.
+        Task tuples hold a contiguous cache: the lookups are a page-1 bucket's
+        (`winner_pages`; the file holds no paged winners)."""
         rep = (rep_len(kv_lo, kv_hi, q_len),) * batch
         label = f"bucket {batch}x({kv_lo},{kv_hi}]"
         out: list[tuple[str, dict | None, str]] = []
@@ -286,7 +369,7 @@ class SubmissionRouter:
         def add(config: dict, reason: str, detail: str) -> None:
             cfg = bucket_config("triton", config, paged=False)
             if cfg is None or not self._triton_runs(fmt) \
-                    or not variant_feasible(fmt, rep, q_len, heads, 1, cfg) \
+                    or not variant_feasible(fmt, rep, q_len, heads, 1, cfg, balanced=True) \
                     or self.trust(config, fmt, rep, batch, q_len, heads) is None \
                     or self.trust(cfg, fmt, rep, batch, q_len, heads) is None:
                 return
@@ -295,12 +378,15 @@ class SubmissionRouter:
                 seen.add(k)
                 out.append((reason, cfg, f"{label}: {detail}"))
 
-        w = self.ragged.get((fmt, batch, kv_lo, kv_hi, q_len, heads))
-        if w is not None:
-            add(w[6], "exact", f"tuned on a ragged batch at {w[7]:.1f} us")
-        for w in sorted(self.uniform.get((fmt, heads, q_len, 1), ()),
-                        key=lambda w: nearest_distance(batch, rep[0], w[1], w[2])):
-            add(w[6], "nearest", f"variant of tuned shape {w[1]}x{w[2]} ({w[7]:.1f} us there)")
+        for page in winner_pages(1):
+            w = self.ragged.get((fmt, batch, kv_lo, kv_hi, q_len, heads, page))
+            if w is not None:
+                add(w[6], "exact", f"tuned on a ragged batch at {w[7]:.1f} us")
+        for page in winner_pages(1):
+            for w in sorted(self.uniform.get((fmt, heads, q_len, page), ()),
+                            key=lambda w: nearest_distance(batch, rep[0], w[1], w[2])):
+                add(w[6], "nearest",
+                    f"variant of tuned shape {w[1]}x{w[2]} ({w[7]:.1f} us there)")
         h = self.heuristic(fmt, batch, rep, q_len, heads)
         if h is not None:
             add(h[0], "heuristic", h[1])
@@ -310,7 +396,7 @@ class SubmissionRouter:
     def choose_format(self, batch: int, kv_lens: tuple, q_len: int, heads: int,
                       present: list[str]) -> str:
         def rank(f: str) -> tuple:
-            t = self.tuned(f, batch, kv_lens, q_len, heads)
+            t = next(iter(self.tuned_all(f, batch, kv_lens, q_len, heads)), None)
             return format_rank(t and t[0], t and t[2], sum(kv_lens), t and t[3], f)
 
         return min(present, key=rank)
@@ -363,7 +449,6 @@ class SubmissionRouter:
             mean = max(q_len, rows // batch)
             fmt = self.choose_format(batch, (mean,) * batch, q_len, heads, present)
             lo, hi = kv_class(self.edges, rows / batch)
-            build_lens = (rep_len(lo, hi, q_len),) * batch
             routes = self.bucket_decisions(fmt, batch, lo, hi, q_len, heads)
             what = f"{batch}x({lo},{hi}] {fmt} h{heads} q{q_len}"
         else:
@@ -380,6 +465,9 @@ class SubmissionRouter:
                 if config is None:
                     def run(d: tuple, fmt: str = fmt) -> torch.Tensor:
                         return sub_torch_decode(d, fmt)
+                elif bkey is not None:  # the dispatcher's bucket runner: any lengths
+                    run = build_bucket_variant(fmt, batch, q_len, heads, config,
+                                               self.device, sm_scale=scale)
                 else:
                     run = build_variant(fmt, list(build_lens), q_len, heads, config,
                                         self.device, sm_scale=scale)

@@ -32,6 +32,16 @@ class ParamSpace:
     """Ordered discrete choices per parameter; the grid is their product."""
 
     params: tuple[tuple[str, tuple[Scalar, ...]], ...]
+    defaults: tuple[tuple[str, Scalar], ...] = ()
+    """Values of knobs a stored config may lack (stored before the knob existed):
+    `validate` fills them in, so an old config and the point spelling its default out
+    are one config, with one key."""
+
+    def with_defaults(self, defaults: Mapping[str, Scalar]) -> "ParamSpace":
+        """This space, taking `defaults` for those of its knobs a config lacks."""
+        names = set(self.names)
+        return ParamSpace(self.params, tuple(sorted(
+            (k, v) for k, v in defaults.items() if k in names)))
 
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> "ParamSpace":
@@ -75,6 +85,7 @@ class ParamSpace:
         unknown = set(config) - set(self.names)
         if unknown:
             raise ConfigError(f"unknown parameter(s) {sorted(unknown)}; space has {self.names}")
+        config = {**{k: v for k, v in self.defaults if k not in config}, **config}
         missing = set(self.names) - set(config)
         if missing:
             raise ConfigError(f"missing parameter(s) {sorted(missing)}")
@@ -103,7 +114,7 @@ class ParamSpace:
                 items.append((name, tuple(v for v in values if v in wanted)))
             else:
                 items.append((name, values))
-        return ParamSpace(tuple(items))
+        return ParamSpace(tuple(items), self.defaults)
 
 
 def parse_pin(text: str) -> tuple[str, str, list[Scalar]]:

@@ -47,9 +47,12 @@ def test_host_made_descriptors_only_where_no_tile_reaches_past_its_keys():
                 if c["kv_load"] == "tma_host"}
 
     assert host_block_ns(Shape.uniform(4, 1024)) == {32, 64}
-    assert host_block_ns(Shape(batch=2, kv_lens=(1024, 96))) == {32}
-    assert host_block_ns(Shape(batch=2, kv_lens=(1024, 100))) == set()
+    assert host_block_ns(Shape.uniform(4, 96)) == {32}
+    assert host_block_ns(Shape.uniform(4, 100)) == set()
     assert host_block_ns(Shape.uniform(4, 1024, q_len=2)) == set()
+    # Ragged shapes run the balanced schedule, whose programs make their own descriptors
+    # ('tma_host' would run as 'tma': the same point twice), whole tiles or not.
+    assert host_block_ns(Shape(batch=2, kv_lens=(1024, 96))) == set()
 
 
 def test_plain_merge_launch_is_a_knob_only_where_a_second_launch_runs():
@@ -69,3 +72,40 @@ def test_plain_merge_launch_is_a_knob_only_where_a_second_launch_runs():
     # Stored configs from before the knob (no "pdl" key) keep the PDL merge.
     old = {k: v for k, v in plain[0].items() if k != "pdl"}
     assert kernel_config(shape, old).pdl is True
+
+
+
+def test_seg_cost_is_a_knob_only_of_the_balanced_schedule():
+    # Uniform shapes run per-sequence splits, which charge no setup per sequence: one
+    # point per variant. Ragged shapes (the balanced schedule) take every charge.
+    from mla_tune.kernels.triton.launch import variant_feasible
+
+    fam, cuda = TritonFamily(), torch.device("cuda")
+    uniform, ragged = Shape.uniform(4, 1024), Shape(batch=3, kv_lens=(1000, 300, 517))
+    assert {c["seg_cost"] for c in fam.candidates(uniform, cuda)} == {1}
+    assert {c["seg_cost"] for c in fam.candidates(ragged, cuda)} == {1, 2, 4, 8}
+    point = {**fam.candidates(uniform, cuda)[0], "seg_cost": 4}
+    assert not fam.feasible(uniform, point) and fam.feasible(ragged, point)
+    # A length bucket's runner is balanced whatever lengths it is checked at.
+    assert variant_feasible("bf16", uniform.kv_lens, 1, 16, 1, point, balanced=True)
+    # The balanced contiguous runner reads direct rows: no page-size knob either.
+    assert all(c["page_size"] == 1 for c in fam.candidates(ragged, cuda))
+
+
+def test_configs_stored_before_a_knob_validate_to_its_default():
+    from mla_tune.backends.triton_family import kernel_config
+    from mla_tune.kernels.triton.launch import variant_seg_cost
+    from mla_tune.kernels.triton.mla_decode import SEG_COST
+    from mla_tune.kernels.triton.static_check import compiled_key
+
+    fam = TritonFamily()
+    for device in (torch.device("cuda"), torch.device("cpu")):
+        space = fam.declared_space(device).restrict({"num_splits": 1})  # pins keep them
+        point = next(space.grid())
+        old = {k: v for k, v in point.items() if k not in ("seg_cost", "pdl")}
+        assert space.validate(old) == space.validate(point) == point
+        assert variant_seg_cost(old) == SEG_COST == point["seg_cost"]
+    # seg_cost is a runtime argument: every value is the same compiled kernel.
+    shape = Shape(batch=2, kv_lens=(1024, 96))
+    keys = {compiled_key(kernel_config(shape, {**point, "seg_cost": s})) for s in (1, 2, 4, 8)}
+    assert len(keys) == 1

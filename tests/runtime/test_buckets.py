@@ -1,12 +1,22 @@
 """Length buckets and ragged task tuples routed without kv_lens (CPU: the torch family's
-bucket build; the Triton one runs in tests/runtime/test_wrapper.py under the interpreter)."""
+bucket build; the Triton one runs in tests/runtime/test_wrapper.py under the interpreter,
+and here after a real ragged Triton sweep, in a child process: this file run as a
+script)."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from mla_tune.backends import get_backend
+from mla_tune.backends.triton_family import TritonFamily
 from mla_tune.machine.fingerprint import current_device, current_software
 from mla_tune.problem.reference import mla_decode_reference
 from mla_tune.problem.shapes import KVFormat, Shape, generate_input
@@ -18,7 +28,11 @@ from mla_tune.runtime.buckets import (
     bucket_of,
     router_for,
 )
+from mla_tune.runtime.bucket_rules import winner_pages
 from mla_tune.runtime.dispatcher import Dispatcher
+from mla_tune.tuning.space import ParamSpace
+
+ROOT = Path(__file__).resolve().parents[2]
 
 GATE = 2e-2
 
@@ -69,6 +83,9 @@ def test_bucket_config_makes_tuned_configs_length_independent() -> None:
                          paged=False)["page_size"] == 1
     assert bucket_config("torch", TORCH_CFG, paged=True) == TORCH_CFG
     assert bucket_config("flashinfer", {"page_size": 64}, paged=True) is None
+    for paged in (False, True):  # the bucket runner's own knob is kept
+        assert bucket_config("triton", {**tuned, "seg_cost": 4}, paged=paged)["seg_cost"] == 4
+    assert winner_pages(64) == (64, 1) and winner_pages(1) == (1,)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
@@ -195,3 +212,106 @@ def test_later_ragged_calls_are_checked_before_the_kernel() -> None:
                 (q[:1], kv, qo, kvp, config)):
         with pytest.raises(ValueError, match="do not match bucket|q has shape"):
             d.run(bad)
+
+
+def test_a_paged_bucket_takes_the_contiguous_buckets_ragged_winner() -> None:
+    """No ragged winner of its page size: the page-1 bucket's ragged winner, before the
+    uniform winners (its own page size's first); with one, that one first."""
+    ragged = Shape(2, (100, 400))
+    paged_uniform = Shape.uniform(2, 256, page_size=16)
+    table = [record(Shape.uniform(2, 200), TORCH_CFG),
+             record(paged_uniform, dict(TORCH_CFG, num_splits=4)),
+             record(ragged, dict(TORCH_CFG, compute_dtype="bfloat16"))]
+    bucket = replace(bucket_of(ragged), page_size=16)
+    router = router_for(Dispatcher(table, "cpu", kv_format="bf16"))
+    got = router.decisions(bucket, paged=True)
+    assert [(d.reason, d.tuned_shape) for d in got[:3]] == [
+        ("nearest", ragged), ("nearest", paged_uniform), ("nearest", Shape.uniform(2, 200))]
+    assert got[0].config["compute_dtype"] == "bfloat16" and "p1" in got[0].detail
+    assert router.runner(bucket, paged=True).decision == got[0]
+    assert router.decisions(bucket_of(ragged), paged=False)[0].reason == "exact"
+    own = Shape(2, (120, 380), page_size=16)
+    assert bucket_of(own) == bucket
+    mine = dict(TORCH_CFG, num_splits=4, compute_dtype="bfloat16")
+    router = router_for(Dispatcher(table + [record(own, mine)], "cpu", kv_format="bf16"))
+    got = router.decisions(bucket, paged=True)
+    assert [(d.reason, d.tuned_shape) for d in got[:2]] == [("exact", own), ("nearest", ragged)]
+
+
+class WideSegCostTriton(TritonFamily):
+    """The Triton family with this test's own CPU space: seg_cost 1 or 4 (the declared CPU
+    space keeps 1 alone; the interpreter is slow). The same sources and source hash."""
+
+    def declared_space(self, device: torch.device) -> ParamSpace:
+        space = super().declared_space(device)
+        return ParamSpace(tuple((n, (1, 4) if n == "seg_cost" else c) for n, c in space.params),
+                          space.defaults)
+
+
+def test_a_ragged_triton_sweep_routes_its_bucket_to_the_runner_it_timed(tmp_path) -> None:
+    """`mla-tune sweep --shape 3 --ragged ...` on the Triton family (the interpreter) stores
+    a winner with seg_cost 4; the dispatcher's bucket router serves another call of that
+    bucket with it (built with seg_cost 4), and a paged bucket without a ragged winner of
+    its own with the same winner, adapted."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT),
+               MLA_TUNE_EXTRA_BACKENDS="triton=tests.runtime.test_buckets:WideSegCostTriton")
+    proc = subprocess.run([sys.executable, __file__, str(tmp_path / "t.db")], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["sweep_exit"] == 0, r
+    assert r["trial"] == [["ok", 4]] and r["winner_seg_cost"] == 4, r
+    assert r["decision"] == ["exact", 4, r["tuned"]], r
+    assert r["runner"] == ["triton", "BalancedLauncher", 1, 4] and r["err"] < GATE, r
+    assert r["paged_decision"] == ["nearest", 4, r["tuned"]], r
+    assert r["paged_runner"] == [2, 4, 16], r
+
+
+def _child(db: str) -> None:
+    """The sweep and the routing checks of the test above, in one interpreter process."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1")
+    from typer.testing import CliRunner
+
+    from mla_tune.cli.main import app
+    from mla_tune.db import TuningStore
+    from mla_tune.problem.shapes import RaggedLengths, parse_ragged_shape
+
+    sweep = CliRunner().invoke(app, [
+        "sweep", "--shape", "3", "--ragged", "uniform:40-110", "-f", "bf16", "-b", "triton",
+        "--db", db, "--device", "cpu", "--no-baseline", "--runoff", "0",
+        "--time-budget", "0.01", "--pin", "triton.seg_cost=4", "--pin", "triton.num_splits=2",
+        "--pin", "triton.fast_mode=false"])
+    out: dict = {"sweep_exit": sweep.exit_code,
+                 "output": sweep.output[-1500:] if sweep.exit_code else ""}
+    tuned = parse_ragged_shape("3", RaggedLengths.parse("uniform:40-110"))
+    with TuningStore(db) as store:
+        trials = store.trials(shape_key=tuned.key, backend="triton")
+    out["trial"] = [[t.status, t.config.get("seg_cost")] for t in trials]
+    d = Dispatcher.from_db(db, device="cpu", kv_format="bf16")
+    out["winner_seg_cost"] = d._table[tuned.key].config["seg_cost"]
+    out["tuned"] = tuned.key
+    lens = tuple(L + 7 for L in tuned.kv_lens)  # another call of the same bucket
+    other = Shape(3, lens)
+    assert bucket_of(other) == bucket_of(tuned) and other != tuned
+    router = router_for(d)
+    first = router.decisions(bucket_of(other), paged=False)[0]
+    out["decision"] = [first.reason, first.config["seg_cost"], first.tuned_shape.key]
+    data = generate_input(other, seed=3)
+    res = d.run(data)
+    out["err"] = float((res.float() - mla_decode_reference(*data)).abs().max())
+    (runner,) = {id(r): r for r in router._runners.values()}.values()
+    launcher = runner.launcher
+    out["runner"] = [runner.decision.backend, type(launcher).__name__, launcher.sched,
+                     launcher.seg_cost]
+    paged = replace(bucket_of(tuned), page_size=16)
+    first = router.decisions(paged, paged=True)[0]
+    out["paged_decision"] = [first.reason, first.config["seg_cost"], first.tuned_shape.key]
+    launcher = router.runner(paged, paged=True).launcher
+    out["paged_runner"] = [launcher.sched, launcher.seg_cost, launcher.page_size]
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])

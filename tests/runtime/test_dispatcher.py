@@ -650,7 +650,7 @@ class TritonStandIn(TritonFamily):
         return Availability(True)
 
     def declared_space(self, device):
-        return load_backend_space("triton", "cuda")
+        return super().declared_space(torch.device("cuda"))  # the GPU's space, its defaults
 
     def precheck(self, shape, config, device):
         if shape.kv_format.value == "bf16" and (config["block_n"], config["num_stages"]) \
@@ -671,7 +671,7 @@ class TritonStandIn(TritonFamily):
 
 SWEPT_Q1H16 = {"block_m": 16, "block_n": 32, "compute": "bf16", "fast_mode": True,
                "fp8_convert": "staged", "kv_load": "tma_host", "num_splits": 4,
-               "num_stages": 3, "num_warps": 4, "page_size": 1}
+               "num_stages": 3, "num_warps": 4, "page_size": 1, "pdl": True, "seg_cost": 1}
 
 
 @pytest.fixture()

@@ -54,6 +54,14 @@ torch.save(outs, sys.argv[3])
 """
 
 
+def _full(config: dict) -> dict:
+    """A stored config as both routers hold it: the knobs it predates (TRITON_CFG has no
+    pdl or seg_cost) spelled out with their defaults."""
+    from mla_tune.kernels.triton.launch import KNOB_DEFAULTS
+
+    return {**KNOB_DEFAULTS, **config}
+
+
 def _db(path: Path, winners: list[tuple[DeviceFingerprint, Shape, dict, float]]) -> str:
     """A tuning DB holding these Triton winners (measured 'ok' trials, current sources)."""
     source = get_backend("triton").source_hash()
@@ -247,6 +255,35 @@ def test_file_routes_ragged_calls_by_the_dispatchers_buckets(
     assert inline_source(Path(bucket_rules.__file__)).strip("\n") in sub.read_text()
 
 
+def test_file_routes_untuned_uniform_calls_by_the_dispatchers_row_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Winners of two q_len/heads families: for calls of a tuned family at another size, of
+    an untuned family (moved across families) and with nothing tuned in their format, the
+    file's routes (nearest, transfer, heuristic; configs and order) are the dispatcher's."""
+    dev, env = _local()
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    here = current_device(dev)
+    db = _db(tmp_path / "t.db", [
+        (here, Shape.uniform(2, 64), TRITON_CFG, 5.0),
+        (here, Shape.uniform(8, 512, heads=32), {**TRITON_CFG, "num_splits": 1}, 9.0),
+        (here, Shape.uniform(4, 256, q_len=2), {**TRITON_CFG, "fast_mode": True}, 7.0)])
+    sub = _export(db, tmp_path / "row_model_submission.py")
+    mod = _load(sub, monkeypatch)
+    d = dispatch.Dispatcher.from_db(db, device=dev)
+    seen = set()
+    for batch, kv, q_len, heads, fmt in ((2, 128, 1, 16, "bf16"), (16, 1024, 1, 16, "bf16"),
+                                         (2, 64, 4, 16, "bf16"), (4, 512, 1, 64, "bf16"),
+                                         (3, 96, 2, 32, "bf16"), (2, 64, 1, 16, "fp8")):
+        shape = Shape.uniform(batch, kv, q_len=q_len, heads=heads, kv_format=fmt)
+        want = [(x.reason, x.config) for x in d.decisions(shape) if x.backend == "triton"]
+        got = [(r, c) for r, c, _ in mod._router.decisions(fmt, batch, (kv,) * batch, q_len,
+                                                            heads) if c is not None]
+        assert got == want, shape.label()
+        seen.update(r for r, _ in got)
+    assert {"nearest", "transfer", "heuristic"} <= seen  # every kind of route was compared
+
+
 def test_cli_refuses_bad_arguments(tmp_path: Path) -> None:
     db = _db(tmp_path / "t.db", [(H200, Shape.uniform(4, 1024), TRITON_CFG, 20.0)])
     for args in (["--submission", str(tmp_path / "s.py"), "--out", str(tmp_path / "w.json")],
@@ -310,8 +347,8 @@ def test_file_never_routes_to_a_variant_stored_wrong(tmp_path: Path,
     mod = _load(_export(db, tmp_path / "trust_submission.py"), monkeypatch)
     for batch in (2, 4):
         first = mod._router.decisions("bf16", batch, (128,) * batch, 1, 16)[0]
-        assert first[:2] == ("nearest", cfg_b), first
+        assert first[:2] == ("nearest", _full(cfg_b)), first
     exact = mod._router.decisions("bf16", 2, (64, 64), 1, 16)[0]
-    assert exact[:2] == ("exact", TRITON_CFG)
+    assert exact[:2] == ("exact", _full(TRITON_CFG))
     heur = mod._router.decisions("bf16", 2, (128, 128), 1, 16)
-    assert all(c != TRITON_CFG for _, c, _ in heur)
+    assert all(c != _full(TRITON_CFG) for _, c, _ in heur)

@@ -31,6 +31,18 @@ def test_validate_accepts_json_floats_for_ints():
     assert _space().validate({"a": 2.0, "b": "y", "c": False})["a"] == 2
 
 
+def test_defaults_fill_knobs_a_stored_config_predates():
+    s = _space().with_defaults({"c": True, "elsewhere": 1})  # knobs outside are dropped
+    assert s.defaults == (("c", True),)
+    assert s.validate({"a": 1, "b": "x"}) == {"a": 1, "b": "x", "c": True}
+    assert s.validate({"a": 1, "b": "x", "c": False})["c"] is False  # given wins
+    assert s.restrict({"a": 2}).validate({"a": 2, "b": "y"})["c"] is True
+    with pytest.raises(ConfigError, match="missing"):
+        s.validate({"a": 1, "c": True})  # no default for b
+    with pytest.raises(ConfigError, match="not one of"):
+        s.restrict({"c": False}).validate({"a": 1, "b": "x"})  # the default left the space
+
+
 def test_config_key_is_canonical():
     assert config_key({"b": 1, "a": 2}) == config_key({"a": 2, "b": 1}) == '{"a":2,"b":1}'
 
