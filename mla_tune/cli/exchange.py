@@ -70,8 +70,10 @@ def export_cmd(
 def import_cmd(
     path: Path = typer.Argument(..., help="A winners JSON file written by `mla-tune export`."),
     db: str | None = typer.Option(None, help=DB_HELP),
+    replace_timings: bool = typer.Option(False, "--replace-timings", help="The file's times supersede those stored for its winners' shapes (same device, stack, backend and kernel sources), e.g. a re-timing under another protocol: their timed trials are deleted first, failed and wrong ones kept."),
 ) -> None:
-    """Add the winners of a JSON file to the DB; each competes with the trials already there."""
+    """Add the winners of a JSON file to the DB; each competes with the trials already there
+    (or, with --replace-timings, with none of that shape's timings)."""
     from mla_tune.results.winners_file import WinnersFileError, import_winners, load_winners_json
 
     try:
@@ -79,7 +81,7 @@ def import_cmd(
     except (OSError, WinnersFileError) as exc:
         fail(f"cannot import {path}: {exc}")
     store = open_store(db)
-    s = import_winners(store, path, records)
+    s = import_winners(store, path, records, replace_timings=replace_timings)
     console.print(f"imported {s.trials} winners into {store.url}: {s.won} now win their "
                   f"shape; {s.not_current} kept as trials only (backend unknown here or "
                   "kernel sources differ)")

@@ -199,6 +199,13 @@ class BaseTuningStore(abc.ABC):
         how many. Raises ValueError for 'ok' (winners name those) or an unknown status."""
 
     @abc.abstractmethod
+    def supersede_timings(self, group: TrialGroup) -> int:
+        """Delete `group`'s 'ok' trials, and the winner rows that name one of them (that
+        shape has no winner until one is chosen again), so a new measurement of the group
+        (a re-timing under another protocol) is the only timing left; returns how many
+        trials. Failed, timeout and wrong trials stay: they are facts about the configs."""
+
+    @abc.abstractmethod
     def replace_winner(self, device_id: int, software_id: int, shape_key: str,
                        sources: Mapping[str, str],
                        choose: Callable[[Sequence[TrialRow]], TrialRow | None],

@@ -171,6 +171,15 @@ class SQLResults(SQLEngine):
                                                  Trial.status.in_(list(statuses)))).rowcount
 
     @writes
+    def supersede_timings(self, group: TrialGroup) -> int:
+        ok = [*group_where(group, Trial), Trial.status == "ok"]
+        with self._session() as s:
+            # The shape's winner lock, as replace_winner takes it: no choice races this.
+            self._lock(s, "winner", group.device_id, group.software_id, group.shape_key)
+            s.execute(delete(Winner).where(Winner.trial_id.in_(select(Trial.id).where(*ok))))
+            return s.execute(delete(Trial).where(*ok)).rowcount
+
+    @writes
     def replace_winner(self, device_id: int, software_id: int, shape_key: str,
                        sources: Mapping[str, str],
                        choose: Callable[[Sequence[TrialRow]], TrialRow | None],

@@ -240,14 +240,18 @@ class ImportSummary:
 
 
 def import_winners(store: TuningStore, path: str | os.PathLike[str],
-                   records: list[Winner] | None = None) -> ImportSummary:
+                   records: list[Winner] | None = None, *,
+                   replace_timings: bool = False) -> ImportSummary:
     """Store each winner of a file as an 'ok' trial under its own device and stack (and
     its config as a 'wrong' trial at each shape it was stored wrong at; where it was
     verified ok at other shapes is not stored, for a trial there would need a time), then
     recompute
     those shapes' winners, so an imported winner competes with local trials instead of
     overwriting them. Re-importing the same file changes nothing. `records`: the file
-    already read with `load_winners_json` (it is not read again)."""
+    already read with `load_winners_json` (it is not read again). `replace_timings`: the
+    file's timings supersede the 'ok' trials stored for its winners' groups (same device,
+    stack, shape, backend and source: a re-timing under another protocol), which are
+    deleted first; failed, timeout and wrong trials stay."""
     from mla_tune.backends import source_hash_pairs
     from mla_tune.db import TrialGroup, TrialResult
     from mla_tune.results.selection import update_winner
@@ -261,6 +265,7 @@ def import_winners(store: TuningStore, path: str | os.PathLike[str],
     sources = {b: new for b, (_, new) in hashes.items()}
     worker = f"import:{Path(path).name}"[:MAX_TEXT]
     current: dict[tuple[int, int, str], list[Winner]] = {}
+    superseded: set[TrialGroup] = set()
     stale = 0
     device_ids: dict[DeviceFingerprint, int] = {}
     software_ids: dict[SoftwareFingerprint, int] = {}
@@ -273,6 +278,9 @@ def import_winners(store: TuningStore, path: str | os.PathLike[str],
         device_id, software_id = device_ids[r.device], software_ids[r.software]
         r = replace(r, source_hash=renamed.get((r.backend, r.source_hash), r.source_hash))
         group = TrialGroup(device_id, software_id, r.shape.key, r.backend, r.source_hash)
+        if replace_timings and group not in superseded:
+            superseded.add(group)
+            store.supersede_timings(group)
         store.record_trial(group, TrialResult(r.shape.to_json(), r.shape.kv_format.value,
                                               r.config, "ok", {"median_us": r.median_us},
                                               worker=worker))

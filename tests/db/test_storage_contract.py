@@ -344,6 +344,25 @@ def test_failed_trials_are_deleted_to_be_measured_again(store, ids):
     assert [c.config for c in store.claims(g)] == [{"c": 2}]
 
 
+def test_superseding_a_groups_timings_drops_them_and_the_winner_naming_one(store, ids):
+    g = _group(ids)
+    _record(store, ids, {"c": 1}, median=5.0)
+    _record(store, ids, {"c": 2}, status="wrong")
+    _record(store, ids, {"c": 3}, median=8.0, backend="torch", source="70")
+    _record(store, ids, {"c": 4}, median=4.0, source="5c2a")  # another source: kept
+    assert _winner(store, ids, {"triton": "5c1a", "torch": "70"}).config == {"c": 1}
+    assert store.supersede_timings(g) == 1
+    assert store.winners() == []  # it named a superseded trial
+    assert sorted((t.backend, t.source_hash, t.config["c"], t.status) for t in store.trials()
+                  ) == [("torch", "70", 3, "ok"), ("triton", "5c1a", 2, "wrong"),
+                        ("triton", "5c2a", 4, "ok")]
+    _record(store, ids, {"c": 1}, median=6.0)  # measured again: the new timing stands
+    assert _winner(store, ids, {"triton": "5c1a"}).median_us == 6.0
+    # A winner of another group of the shape stays when nothing it names goes.
+    _winner(store, ids, {"torch": "70"})
+    assert store.supersede_timings(g) == 1 and [w.backend for w in store.winners()] == ["torch"]
+
+
 def test_winners_filter_and_carry_their_device_and_stack(store, ids):
     other_dev = DeviceFingerprint("amd", "MI355X", "gfx950", 256, 288 << 30)
     other_ids = {"device_id": store.device_id(other_dev), "software_id": ids["software_id"]}
@@ -407,6 +426,7 @@ def test_read_only_reads_what_was_written_and_refuses_every_write(url):
             "record_remeasure": lambda: ro.record_remeasure({tid: _stats(1.0)}),
             "mark_wrong": lambda: ro.mark_wrong(tid, "no"),
             "delete_trials": lambda: ro.delete_trials(g, ["failed"]),
+            "supersede_timings": lambda: ro.supersede_timings(g),
             "replace_winner": lambda: _winner(ro, ids, {"triton": "5c1a"}),
             "delete_sources": lambda: ro.delete_sources([("triton", "5c1a")]),
             "rename_source": lambda: ro.rename_source("triton", "5c1a", "5c2a"),

@@ -85,6 +85,38 @@ def test_import_into_an_empty_db_reproduces_the_winners_and_is_idempotent(tuned,
     assert imported == original  # the same winners; ids and times are the DB's own
 
 
+def test_a_slower_retiming_wins_only_when_imported_to_replace_the_timings(tuned, tmp_path):
+    """A file re-timing one winner 3x slower (as a protocol change may): imported plainly,
+    the faster stored time keeps winning; with --replace-timings the shape's stored timings
+    go, its other trials (all configs of the swept group) included, and the new time
+    stands. Other shapes keep theirs."""
+    import shutil
+
+    db, path = tuned
+    doc = json.loads(path.read_text())
+    slow = doc["winners"][0]
+    slow["median_us"] *= 3
+    retimed = tmp_path / "retimed.json"
+    retimed.write_text(json.dumps({**doc, "winners": [slow]}))
+    for replace_flag in (False, True):
+        target = tmp_path / f"db{int(replace_flag)}.db"
+        shutil.copy(db, target)
+        args = ["import", str(retimed), "--db", str(target)]
+        r = CliRunner().invoke(app, args + (["--replace-timings"] if replace_flag else []))
+        assert r.exit_code == 0, r.output
+        with TuningStore(str(target)) as store:
+            won = {w.shape.key: w.median_us for w in store.winners()}
+            timed = [t for t in store.trials(shape_key=slow["shape_key"]) if t.status == "ok"]
+        with TuningStore(str(db)) as store:
+            before = {w.shape.key: w.median_us for w in store.winners()}
+        assert won[slow["shape_key"]] == pytest.approx(
+            slow["median_us"] if replace_flag else before[slow["shape_key"]])
+        assert {k: v for k, v in won.items() if k != slow["shape_key"]} == {
+            k: v for k, v in before.items() if k != slow["shape_key"]}
+        if replace_flag:
+            assert [t.median_us for t in timed] == [pytest.approx(slow["median_us"])]
+
+
 def test_imported_winner_of_stale_sources_is_kept_as_data_but_cannot_win(tuned, tmp_path):
     _, path = tuned
     doc = json.loads(path.read_text())
