@@ -1,23 +1,22 @@
-"""Does the tuner's timer see what the leaderboard sees? Times variants under three
-conditions between two timed calls (each with the L2 flushed right before the call):
+"""What the tuner's timer sees with and without other kernels between two timed calls
+(the L2 flushed right before each call either way):
 
 - `nothing`: back to back (`CudaTimer`, `between_calls="nothing"`);
-- `other-kernels`: the tuner's default (`CudaTimer`: `OtherKernels`, a random draw, a small
-  matrix product and a check, before each flush);
-- `checked`: what the leaderboard's harness runs between calls, for real: the float32
-  reference of the call's input and the tolerance check of the output, after every call.
+- `other-kernels`: the tuner's default (`OtherKernels`: a random draw, a small matrix
+  product and a check before each flush, as the leaderboard's harness draws and checks
+  inputs between its timed calls).
 
-Per shape: the variant the shipped DB routes it to and, where its splits merge in a second
-launch, the same variant with the other merge launch (PDL or plain) and with the merge fused
-(fast mode). Run on the GPU:
+Per shape: the variant the DB routes it to and, where its splits merge in a second launch,
+the same variant with the other merge launch (PDL or plain) and with the merge fused (fast
+mode). The harness itself (bench/gpumode_harness.sh) is the ground truth these are checked
+against. Run on the GPU:
 
-    python3 bench/between_calls.py --suite seeds --formats bf16 fp8 --out $OUT/between.md
+    python3 bench/between_calls.py --db shipped --suite seeds --formats bf16 fp8 --out $OUT/between.md
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from typing import Any
 
@@ -29,29 +28,6 @@ from mla_tune.problem.shapes import KVFormat
 from mla_tune.problem.suites import suite_shapes
 from mla_tune.runtime.dispatcher import Dispatcher
 from mla_tune.tuning.timing import NOTHING, OTHER_KERNELS, CudaTimer, TimingPolicy
-
-
-def _checked_us(fn: Any, data: Any, ref: torch.Tensor, fmt: KVFormat, timer: CudaTimer,
-                runs: int) -> float:
-    """Median µs of `runs` calls, each after the reference and check of the last one."""
-    samples = []
-    out = fn(data)
-    for _ in range(runs):
-        benchkit.check(out, benchkit.reference(data, fmt), fmt)
-        torch.cuda.synchronize()
-        samples.append(_one(fn, data, timer))
-        out = fn(data)
-    return statistics.median(samples)
-
-
-def _one(fn: Any, data: Any, timer: CudaTimer) -> float:
-    timer.flush_l2()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn(data)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000.0
 
 
 def _variants(config: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -68,7 +44,6 @@ def main() -> None:
     ap.add_argument("--suite", default="seeds")
     ap.add_argument("--formats", nargs="+", default=["bf16", "fp8"])
     ap.add_argument("--db", default=None, help="tuning DB the routes come from (default: shipped)")
-    ap.add_argument("--runs", type=int, default=40, help="calls per variant under `checked`")
     ap.add_argument("--time-budget", type=float, default=0.3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -80,8 +55,8 @@ def main() -> None:
                                                 between_calls=name))
               for name in (NOTHING, OTHER_KERNELS)}
     triton = get_backend("triton")
-    lines = ["| shape | variant | config | nothing | other-kernels | checked | "
-             "other-kernels / checked |", "|---|---|---|---|---|---|---|"]
+    lines = ["| shape | variant | config | nothing | other-kernels | other-kernels / nothing |",
+             "|---|---|---|---|---|---|"]
     for fmt in map(KVFormat.parse, args.formats):
         for shape in suite_shapes(args.suite, [fmt]):
             dec = mla.decide(shape)
@@ -98,11 +73,9 @@ def main() -> None:
                     continue
                 call = lambda fn=fn: fn(data)  # noqa: E731
                 t = {n: timers[n].measure(call).median_us for n in timers}
-                t["checked"] = _checked_us(fn, data, ref, fmt, timers[NOTHING], args.runs)
                 text = ", ".join(f"{k} {v}" for k, v in sorted(cfg.items()))
                 row = (f"| {shape.label()} | {label} | {text} | {t[NOTHING]:.2f} | "
-                       f"{t[OTHER_KERNELS]:.2f} | {t['checked']:.2f} | "
-                       f"{t[OTHER_KERNELS] / t['checked']:.3f} |")
+                       f"{t[OTHER_KERNELS]:.2f} | {t[OTHER_KERNELS] / t[NOTHING]:.3f} |")
                 print(row, flush=True)
                 lines.append(row)
     if args.out:
