@@ -70,7 +70,7 @@ def export_cmd(
 def import_cmd(
     path: Path = typer.Argument(..., help="A winners JSON file written by `mla-tune export`."),
     db: str | None = typer.Option(None, help=DB_HELP),
-    replace_timings: bool = typer.Option(False, "--replace-timings", help="The file's times supersede those stored for its winners' shapes (same device, stack, backend and kernel sources), e.g. a re-timing under another protocol: their timed trials are deleted first, failed and wrong ones kept."),
+    replace_timings: bool = typer.Option(False, "--replace-timings", help="The file's times supersede those stored for its winners' shapes (same device, backend and kernel sources, any stack), e.g. a re-timing under another protocol: their timed trials are deleted first, failed and wrong ones kept."),
 ) -> None:
     """Add the winners of a JSON file to the DB; each competes with the trials already there
     (or, with --replace-timings, with none of that shape's timings)."""

@@ -249,9 +249,10 @@ def import_winners(store: TuningStore, path: str | os.PathLike[str],
     those shapes' winners, so an imported winner competes with local trials instead of
     overwriting them. Re-importing the same file changes nothing. `records`: the file
     already read with `load_winners_json` (it is not read again). `replace_timings`: the
-    file's timings supersede the 'ok' trials stored for its winners' groups (same device,
-    stack, shape, backend and source: a re-timing under another protocol), which are
-    deleted first; failed, timeout and wrong trials stay."""
+    file's timings supersede the 'ok' trials stored for its winners' shapes on the same
+    device, backend and source, under any stack (a re-timing under another protocol):
+    they are deleted first and those shapes' winners chosen again; failed, timeout and
+    wrong trials stay."""
     from mla_tune.backends import source_hash_pairs
     from mla_tune.db import TrialGroup, TrialResult
     from mla_tune.results.selection import update_winner
@@ -278,9 +279,14 @@ def import_winners(store: TuningStore, path: str | os.PathLike[str],
         device_id, software_id = device_ids[r.device], software_ids[r.software]
         r = replace(r, source_hash=renamed.get((r.backend, r.source_hash), r.source_hash))
         group = TrialGroup(device_id, software_id, r.shape.key, r.backend, r.source_hash)
-        if replace_timings and group not in superseded:
-            superseded.add(group)
-            store.supersede_timings(group)
+        if replace_timings:
+            # Every stack's timings of the shape on this device, backend and source.
+            for t in store.trials(device_id=device_id, shape_key=r.shape.key,
+                                  backend=r.backend, source_hash=r.source_hash, status="ok"):
+                g = replace(group, software_id=t.software_id)
+                if g not in superseded:
+                    superseded.add(g)
+                    store.supersede_timings(g)
         store.record_trial(group, TrialResult(r.shape.to_json(), r.shape.kv_format.value,
                                               r.config, "ok", {"median_us": r.median_us},
                                               worker=worker))
@@ -294,6 +300,8 @@ def import_winners(store: TuningStore, path: str | os.PathLike[str],
             continue
         current.setdefault((device_id, software_id, r.shape.key), []).append(r)
     won = 0
+    for g in superseded:  # shapes of other stacks whose winner may have gone
+        current.setdefault((g.device_id, g.software_id, g.shape_key), [])
     for (device_id, software_id, shape_key), mine in sorted(current.items()):
         w = update_winner(store, device_id, software_id, shape_key, sources)
         won += sum(w is not None and (w.backend, w.config) == (r.backend, r.config)

@@ -13,8 +13,9 @@ from typer.testing import CliRunner
 
 import mla_tune.results.winners_file as winners_json
 from mla_tune.cli.main import app
-from mla_tune.db import TuningStore
-from mla_tune.machine.fingerprint import current_device
+from mla_tune.db import TrialGroup, TrialResult, TuningStore
+from mla_tune.machine.fingerprint import SoftwareFingerprint, current_device
+from mla_tune.results.selection import update_winner
 from mla_tune.problem.shapes import Shape, generate_input
 from mla_tune.results.winners_file import (
     WinnersFileError,
@@ -101,16 +102,26 @@ def test_a_slower_retiming_wins_only_when_imported_to_replace_the_timings(tuned,
     for replace_flag in (False, True):
         target = tmp_path / f"db{int(replace_flag)}.db"
         shutil.copy(db, target)
+        with TuningStore(str(target)) as store:  # the same shape timed under another stack
+            w0 = next(w for w in store.winners() if w.shape.key == slow["shape_key"])
+            other = SoftwareFingerprint(w0.software.versions + (("flashinfer", "0.0"),))
+            dev, sw = store.device_id(w0.device), store.software_id(other)
+            store.record_trial(TrialGroup(dev, sw, w0.shape.key, w0.backend, w0.source_hash),
+                               TrialResult(w0.shape.to_json(), w0.shape.kv_format.value,
+                                           w0.config, "ok", {"median_us": 0.5}))
+            update_winner(store, dev, sw, w0.shape.key, {w0.backend: w0.source_hash})
         args = ["import", str(retimed), "--db", str(target)]
         r = CliRunner().invoke(app, args + (["--replace-timings"] if replace_flag else []))
         assert r.exit_code == 0, r.output
         with TuningStore(str(target)) as store:
-            won = {w.shape.key: w.median_us for w in store.winners()}
+            won = {w.shape.key: w.median_us for w in store.winners() if w.software != other}
+            others = [w.median_us for w in store.winners() if w.software == other]
             timed = [t for t in store.trials(shape_key=slow["shape_key"]) if t.status == "ok"]
         with TuningStore(str(db)) as store:
             before = {w.shape.key: w.median_us for w in store.winners()}
         assert won[slow["shape_key"]] == pytest.approx(
             slow["median_us"] if replace_flag else before[slow["shape_key"]])
+        assert others == ([] if replace_flag else [0.5])  # every stack's timings go
         assert {k: v for k, v in won.items() if k != slow["shape_key"]} == {
             k: v for k, v in before.items() if k != slow["shape_key"]}
         if replace_flag:
