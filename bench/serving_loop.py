@@ -1,7 +1,7 @@
 """Serving-loop benchmark: ragged batches growing by one token per step, from a paged pool.
 
 For each (batch, KV format, page size): `--steps` decode steps of `batch` sequences with
-lengths drawn uniformly from [--lo, --hi] (seeded), every sequence one token longer each
+lengths drawn uniformly from [--lo, --hi] (`RaggedLengths`, seeded: a ragged sweep's batch), one token longer each
 step, pages of each sequence placed at shuffled positions of the pool. Measured:
 - MLADecodeWrapper, plan + run each step (page table and lengths as device tensors,
   `plan(check=False)`): GPU time per step (CUDA events around the whole loop / steps),
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mla_tune.problem import quant  # noqa: E402
 from mla_tune.problem.reference import mla_decode_reference  # noqa: E402
-from mla_tune.problem.shapes import QK_HEAD_DIM, SM_SCALE, Shape  # noqa: E402
+from mla_tune.problem.shapes import QK_HEAD_DIM, SM_SCALE, RaggedLengths, Shape  # noqa: E402
 from mla_tune.runtime.dispatcher import Dispatcher  # noqa: E402
 from mla_tune.runtime.wrapper import MLADecodeWrapper  # noqa: E402
 
@@ -66,8 +66,9 @@ class Loop:
                  seed: int, dev: torch.device) -> None:
         g = torch.Generator().manual_seed(seed)
         self.batch, self.fmt, self.page, self.steps, self.dev = batch, fmt, page, steps, dev
-        self.lens0 = [int(x) for x in torch.randint(lo, hi - steps + 1, (batch,),
-                                                    generator=g)]
+        # Step 0 is the batch a ragged sweep of the same distribution and seed tunes
+        # (`--ragged uniform:LO-HI --ragged-seed SEED`, suite `serving`).
+        self.lens0 = list(RaggedLengths.parse(f"uniform:{lo}-{hi}", seed).draw(batch))
         final = [L + steps for L in self.lens0]
         n_pages = [-(-L // page) for L in final]
         total_pages = sum(n_pages) + 8
