@@ -1,0 +1,103 @@
+"""Where a serving step's host time goes: `MLADecodeWrapper.plan` + `run` taken apart.
+
+For one loop of bench/serving_loop.py (batch, format, page size; the shipped DB's bucket
+winner), after the bucket's first step: the median host time per call, over blocks of 50
+calls with the GPU kept busy, of
+- `plan(check=False)` (device metadata, the fast path) and `run` as a server calls them;
+- the route's launch function with the step's pointers (what `run` calls after its checks);
+- the Triton C launcher(s) alone, their argument tuples built beforehand;
+- an empty Python call, for scale.
+
+    python3 bench/serving_host_time.py --batch 128 --format bf16 --page 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import benchkit  # noqa: F401 - refuses to run against another checkout
+from mla_tune import MLADecodeWrapper
+from mla_tune.runtime.dispatcher import Dispatcher
+from serving_loop import Loop
+
+BLOCK = 50
+
+
+def per_call_us(fn, blocks: int) -> float:
+    """Median over `blocks` blocks of BLOCK calls of the host time per call, µs."""
+    out = []
+    for _ in range(blocks):
+        t0 = time.perf_counter_ns()
+        for _ in range(BLOCK):
+            fn()
+        out.append((time.perf_counter_ns() - t0) / BLOCK / 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--format", default="bf16")
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=40)
+    ap.add_argument("--db", default="shipped")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("serving_host_time.py times host work around GPU launches: no CUDA device")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    disp = Dispatcher.from_db(a.db, dev, kv_format=a.format, check_inputs=False)
+    loop = Loop(a.batch, a.format, a.page, 2, 300, 8000, 0, dev)
+    w = MLADecodeWrapper(a.format, 16, 1, a.page, dev, dispatcher=disp)
+    _, _, (ptr, idx, lens) = loop.tables[1]
+    w.plan(loop.qo, ptr, idx, lens, check=False)
+    w.run(loop.q, loop.cache)
+    torch.cuda.synchronize()
+    route = w._route
+    launcher = route.runner.launcher
+    kv_p, scale_p, sc_p, sc_stride = route.pool_ptrs[:4]
+    qo_p, lens_p, ptr_p, idx_p = w._ptrs
+    q_p = loop.q.data_ptr()
+    launch, merge = launcher._raw
+    stream = launcher._stream(launcher._dev)
+    args1 = (*launcher._head1, stream, *launcher._fix1, q_p, kv_p, kv_p, kv_p, scale_p, sc_p,
+             sc_stride, qo_p, lens_p, idx_p, ptr_p, *launcher._mid1, *launcher._tail1)
+    launches = [lambda: launch(*args1)]
+    if merge is not None:
+        launch2, head2, fix2, rest2 = merge
+        args2 = (*head2, stream, *fix2, qo_p, lens_p, *rest2)
+        launches.append(lambda: launch2(*args2))
+
+    def noop() -> None:
+        return None
+
+    rows = {
+        "plan(check=False)": lambda: w.plan(loop.qo, ptr, idx, lens, check=False),
+        "run": lambda: w.run(loop.q, loop.cache),
+        "plan + run": lambda: (w.plan(loop.qo, ptr, idx, lens, check=False),
+                               w.run(loop.q, loop.cache)),
+        "route launch (pointers given)": lambda: route.launch(q_p, kv_p, scale_p, sc_p,
+                                                              sc_stride, qo_p, lens_p, idx_p,
+                                                              ptr_p),
+        "stream lookup": lambda: launcher._stream(launcher._dev),
+        "Triton C launch, split kernel": launches[0],
+    }
+    if len(launches) > 1:
+        rows["Triton C launch, merge kernel"] = launches[1]
+    rows["empty Python call"] = noop
+    print(f"# {a.batch} {a.format} page {a.page}: bucket {route.bucket.label()}, "
+          f"{'fused merge' if merge is None else 'second-launch merge'}, "
+          f"{launcher.programs} programs; {torch.cuda.get_device_name(dev)}, "
+          f"torch {torch.__version__}")
+    print("| step part | host µs per call |\n|---|---|")
+    for name, fn in rows.items():
+        print(f"| {name} | {per_call_us(fn, a.blocks):.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
