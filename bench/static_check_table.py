@@ -1,5 +1,6 @@
 """The static check of the Triton family's default space as a markdown table: registers,
-spills and shared memory of every distinct compiled variant on sm_90 and gfx950, from the
+spills and shared memory of every distinct compiled variant (per-sequence splits and the
+balanced schedules of length-bucket runners) on sm_90 and gfx950, from the
 JSON lines `python -m mla_tune.tuning.triton_variants` prints (it cross-compiles on the CPU; no GPU).
 
     python -m mla_tune.tuning.triton_variants --jobs 2 | python3 bench/static_check_table.py
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
-KNOBS = ("kv_format", "compute", "block_n", "num_stages", "kv_load", "fp8_convert")
+KNOBS = ("kv_format", "compute", "block_m", "block_n", "num_stages", "kv_load", "fp8_convert")
 
 
 def table(lines: list[str]) -> str:
@@ -19,7 +20,7 @@ def table(lines: list[str]) -> str:
     for line in lines:
         if line.strip():
             row = json.loads(line)
-            key = tuple(row["config"][k] for k in KNOBS)
+            key = (row.get("schedule", "splits"), *(row["config"][k] for k in KNOBS))
             rows.setdefault(key, {})[row["report"]["target"]] = row["report"]
 
     def cell(rep: dict | None, spill_unit: str) -> str:
@@ -29,9 +30,9 @@ def table(lines: list[str]) -> str:
             return f"failed: {rep['error'][:60]}"
         return f"{rep['registers']} / {rep['spills']}{spill_unit} / {rep['shared']}"
 
-    out = ["| kv format | compute | block_n | stages | kv_load | fp8_convert | sm_90: registers "
-           "/ spills / shared B | gfx950: registers / spills / shared B |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| schedule | kv format | compute | block_m | block_n | stages | kv_load | fp8_convert "
+           "| sm_90: registers / spills / shared B | gfx950: registers / spills / shared B |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for key, reps in rows.items():
         out.append("| " + " | ".join(map(str, key)) + f" | {cell(reps.get('cuda:90'), ' B')} "
                    f"| {cell(reps.get('hip:gfx950'), '')} |")

@@ -21,7 +21,7 @@ import re
 import subprocess
 import tempfile
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,34 @@ from .precompile import TARGETS, jit_compile
 
 SHARED_LIMIT = {"cuda:90": 232448, "hip:gfx950": 163840}
 """Max dynamic shared memory per block: H100/H200 227 KiB; MI355X (gfx950) 160 KiB LDS."""
+
+SCHEDULE_NAMES = {md.SCHED_SPLITS: "splits", md.SCHED_TOKENS: "tokens", md.SCHED_PAGED: "paged"}
+"""The split kernel's schedules (mla_decode.py): per-sequence splits (exact shapes), and the
+balanced schedules of length-bucket runners over a contiguous cache or a page pool."""
+
+BALANCED_BATCH_P2 = 256
+"""The batch bound a BalancedLauncher compiles its kernels for up to 256 sequences: one
+compiled kernel serves every such batch."""
+
+
+def balanced_config(cfg: md.KernelConfig, sched: int) -> md.KernelConfig:
+    """`cfg` as a BalancedLauncher runs it under `sched`: a page pool is read with pointer
+    loads through page indices, 'tma_host' runs as per-program descriptors ('tma').
+    (tests/kernels/test_static_check.py checks this against BalancedLauncher itself.)"""
+    if sched == md.SCHED_PAGED:
+        return replace(cfg, kv_load="pointer", page_size=1)
+    if cfg.kv_load == "tma_host":
+        return replace(cfg, kv_load="tma")
+    return cfg
+
+
+def _launch_form(cfg: md.KernelConfig, sched: int) -> tuple[md.KernelConfig, bool | int, int]:
+    """(config, page-table flag, batch bound) of the kernels a launcher of `cfg` compiles
+    under `sched`."""
+    if sched == md.SCHED_SPLITS:
+        return cfg, cfg.page_size > 1, 1
+    paged = md.PAGE_INDEX if sched == md.SCHED_PAGED else False
+    return balanced_config(cfg, sched), paged, BALANCED_BATCH_P2
 
 
 @dataclass(frozen=True)
@@ -67,10 +95,14 @@ def variant_key(cfg: md.KernelConfig) -> tuple:
             cfg.kv_load if cfg.tma() else "pointer", cfg.pdl)
 
 
-def compiled_key(cfg: md.KernelConfig, heads: int = 16) -> tuple:
+def compiled_key(cfg: md.KernelConfig, heads: int = 16,
+                 sched: int = md.SCHED_SPLITS) -> tuple:
     """What distinguishes compiled kernels of a launch with `heads` query heads: the
-    variant, and whether `heads` is a multiple of 16 (Triton specializes on it)."""
-    return (*variant_key(cfg), heads % 16 == 0)
+    variant, whether `heads` is a multiple of 16 (Triton specializes on it), and a
+    balanced schedule's kind."""
+    if sched == md.SCHED_SPLITS:
+        return (*variant_key(cfg), heads % 16 == 0)
+    return (*variant_key(balanced_config(cfg, sched)), heads % 16 == 0, sched)
 
 
 def cache_dir() -> Path:
@@ -151,11 +183,13 @@ def _amdgcn_usage(asm: str) -> tuple[int, int]:
     return vgpr + agpr, spill
 
 
-def compile_split(cfg: md.KernelConfig, target: str, heads: int = 16) -> Any:
+def compile_split(cfg: md.KernelConfig, target: str, heads: int = 16,
+                  sched: int = md.SCHED_SPLITS) -> Any:
     """The split kernel of `cfg` compiled for `target`, as a launch with `heads` query heads
-    compiles it (the entry of Triton's cache that launch loads)."""
-    fn, args, kwargs = md.kernel_launches(cfg, heads=heads, paged=cfg.page_size > 1,
-                                          merge=False, target=target)[0]
+    under `sched` compiles it (the entry of Triton's cache that launch loads)."""
+    c, paged, batch_p2 = _launch_form(cfg, sched)
+    fn, args, kwargs = md.kernel_launches(c, heads=heads, paged=paged, merge=False,
+                                          target=target, sched=sched, batch_p2=batch_p2)[0]
     return jit_compile(fn, target, args, kwargs)
 
 
@@ -168,19 +202,19 @@ def usage(kernel: Any, target: str) -> tuple[int, int]:
 
 
 def compile_variant(cfg: md.KernelConfig, target: str, use_cache: bool = True,
-                    heads: int = 16) -> CompileReport:
+                    heads: int = 16, sched: int = md.SCHED_SPLITS) -> CompileReport:
     """Cross-compile the split kernel of `cfg` for `target` ('cuda:90' or 'hip:gfx950'),
-    specialized as a launch with `heads` query heads is. The compile lands in Triton's
-    cache under the key the launcher looks up, so checking a variant also compiles it
-    ahead for the GPU that runs it."""
+    specialized as a launch with `heads` query heads under `sched` is. The compile lands
+    in Triton's cache under the key the launcher looks up, so checking a variant also
+    compiles it ahead for the GPU that runs it."""
     import time
 
-    path = _cache_path(compiled_key(cfg, heads), target)
+    path = _cache_path(compiled_key(cfg, heads, sched), target)
     if use_cache and (cached := _read_cache(path, target)) is not None:
         return cached
     t0 = time.time()
     try:
-        k = compile_split(cfg, target, heads)
+        k = compile_split(cfg, target, heads, sched)
         regs, spills = usage(k, target)
         rep = CompileReport(target, True, regs, spills, int(k.metadata.shared),
                             seconds=round(time.time() - t0, 2))
@@ -196,41 +230,50 @@ def compile_variant(cfg: md.KernelConfig, target: str, use_cache: bool = True,
     return rep
 
 
-def compile_ahead(cfg: md.KernelConfig, target: str, heads: int = 16) -> str | None:
-    """Compile every kernel a launcher of `cfg` may use (split and merge kernels) into
-    Triton's cache for `target`, and return the variant's static-check problem (None when
-    it compiles cleanly). For a sweep's compile stage: GPU workers then only load."""
-    problem = compile_variant(cfg, target, heads=heads).problem()
+def compile_ahead(cfg: md.KernelConfig, target: str, heads: int = 16,
+                  sched: int = md.SCHED_SPLITS) -> str | None:
+    """Compile every kernel a launcher of `cfg` may use under `sched` (split and merge
+    kernels) into Triton's cache for `target`, and return the variant's static-check
+    problem (None when it compiles cleanly). For a sweep's compile stage: GPU workers
+    then only load."""
+    problem = compile_variant(cfg, target, heads=heads, sched=sched).problem()
     if problem is not None:
         return problem
-    for fn, args, kwargs in md.kernel_launches(cfg, heads=heads, paged=cfg.page_size > 1,
-                                               merge=True, target=target):
+    c, paged, batch_p2 = _launch_form(cfg, sched)
+    for fn, args, kwargs in md.kernel_launches(c, heads=heads, paged=paged, merge=True,
+                                               target=target, sched=sched,
+                                               batch_p2=batch_p2):
         jit_compile(fn, target, args, kwargs)  # a cache hit when just checked
     return None
 
 
-def check(cfg: md.KernelConfig, targets: list[str], heads: int = 16) -> str | None:
-    """First problem of `cfg` on any of `targets`, or None when it compiles cleanly."""
+def check(cfg: md.KernelConfig, targets: list[str], heads: int = 16,
+          sched: int = md.SCHED_SPLITS) -> str | None:
+    """First problem of `cfg` (under `sched`) on any of `targets`, or None when it
+    compiles cleanly."""
     for t in targets:
-        problem = compile_variant(cfg, t, heads=heads).problem()
+        problem = compile_variant(cfg, t, heads=heads, sched=sched).problem()
         if problem:
             return problem
     return None
 
 
-def _job(job: tuple[md.KernelConfig, str]) -> dict:
-    cfg, target = job
-    return {"config": asdict(cfg), "report": asdict(compile_variant(cfg, target))}
+def _job(job: tuple[md.KernelConfig, str, int]) -> dict:
+    cfg, target, sched = job
+    return {"config": asdict(cfg), "schedule": SCHEDULE_NAMES[sched],
+            "report": asdict(compile_variant(cfg, target, sched=sched))}
 
 
-def compile_all(cfgs: Iterable[md.KernelConfig], targets: Iterable[str] = tuple(TARGETS),
-                jobs: int = 2) -> Iterator[dict]:
-    """Compile every config for every target in `jobs` spawned worker processes; yields
-    {"config": ..., "report": ...} rows (plain dicts) in order."""
+def compile_all(cfgs: Iterable[md.KernelConfig | tuple[md.KernelConfig, int]],
+                targets: Iterable[str] = tuple(TARGETS), jobs: int = 2) -> Iterator[dict]:
+    """Compile every config (or (config, schedule) pair; a bare config is per-sequence
+    splits) for every target in `jobs` spawned worker processes; yields {"config": ...,
+    "schedule": ..., "report": ...} rows (plain dicts) in order."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    work = [(cfg, t) for cfg in cfgs for t in targets]
+    pairs = [c if isinstance(c, tuple) else (c, md.SCHED_SPLITS) for c in cfgs]
+    work = [(cfg, t, sched) for cfg, sched in pairs for t in targets]
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max(1, jobs), mp_context=ctx) as ex:
         yield from ex.map(_job, work)

@@ -44,6 +44,33 @@ def test_default_space_is_compact() -> None:
     assert 0 < len(default_variants()) <= 64
 
 
+def test_balanced_schedules_are_compiled_as_the_bucket_runners_run_them() -> None:
+    """The static check's balanced kernels are the ones a BalancedLauncher builds: its
+    config (pointer loads from a page pool, 'tma_host' as 'tma'), page-table flag and batch
+    bound; 98 of them today (36 + 32 fp8, 12 + 6 bf16, 6 + 6 MXFP4 over a contiguous cache
+    and a page pool: the merge launch leaves the split kernel as it is)."""
+    from mla_tune.kernels.triton import mla_decode as md
+    from mla_tune.kernels.triton.static_check import _launch_form, compiled_key
+    from mla_tune.tuning.triton_variants import balanced_variants
+
+    variants = balanced_variants()
+    assert 0 < len(variants) <= 98
+    assert {s for _, s in variants} == {md.SCHED_TOKENS, md.SCHED_PAGED}
+    for cfg in (md.KernelConfig("bf16", "bf16", block_n=64, kv_load="tma_host"),
+                md.KernelConfig("fp8", "fp8", block_n=64, num_stages=3, kv_load="tma"),
+                md.KernelConfig("mxfp4", "bf16", block_n=64)):
+        for sched, page in ((md.SCHED_TOKENS, 1), (md.SCHED_PAGED, 16)):
+            runner = md.BalancedLauncher(cfg, heads=16, q_len=1, batch=8, device="cpu",
+                                         sched=sched, page_size=page)
+            form = _launch_form(cfg, sched)
+            assert (form[0], form[1], form[2]) == (runner.cfg, runner.paged_flag,
+                                                    runner.batch_p2)
+        # Per-sequence splits keep their old cache keys; the schedules get their own.
+        keys = {compiled_key(cfg, sched=s) for s in (md.SCHED_SPLITS, md.SCHED_TOKENS,
+                                                       md.SCHED_PAGED)}
+        assert len(keys) == 3 and compiled_key(cfg) == compiled_key(cfg, sched=md.SCHED_SPLITS)
+
+
 def test_kernels_do_not_import_the_tuner() -> None:
     """kernels/ is imported by the backends, so it must not import mla_tune back."""
     for path in (ROOT / "kernels").rglob("*.py"):
@@ -56,10 +83,14 @@ def test_kernels_do_not_import_the_tuner() -> None:
 def test_every_variant_compiles_for_both_targets(reports: list[dict]) -> None:
     from mla_tune.tuning.triton_variants import default_variants
 
-    failed = [(r["config"], r["report"]["error"]) for r in reports if not r["report"]["ok"]]
+    from mla_tune.tuning.triton_variants import balanced_variants
+
+    failed = [(r["config"], r["schedule"], r["report"]["error"]) for r in reports
+              if not r["report"]["ok"]]
     assert not failed, failed[:3]
-    assert len(reports) == 2 * len(default_variants())
+    assert len(reports) == 2 * (len(default_variants()) + len(balanced_variants()))
     assert {r["report"]["target"] for r in reports} == {"cuda:90", "hip:gfx950"}
+    assert {r["schedule"] for r in reports} == {"splits", "tokens", "paged"}
 
 
 def test_resources_are_recorded_and_problems_reported(reports: list[dict]) -> None:
@@ -100,7 +131,7 @@ def test_measured_best_variants_are_clean(reports: list[dict], variant: tuple,
     from mla_tune.kernels.triton.static_check import CompileReport
 
     good = {r["report"]["target"]: CompileReport(**r["report"]) for r in reports
-            if (r["config"]["kv_format"], r["config"]["compute"], r["config"]["block_m"],
+            if r["schedule"] == "splits" and (r["config"]["kv_format"], r["config"]["compute"], r["config"]["block_m"],
                 r["config"]["block_n"], r["config"]["num_stages"], r["config"]["fp8_convert"],
                 r["config"]["kv_load"]) == variant}
     assert set(good) == set(BOTH), good  # compiled for both targets all the same
