@@ -374,7 +374,8 @@ class BucketRouter:
                 out.append(Decision(rep, backend, cfg, reason,
                                     f"bucket {bucket.label()}: {detail}", tuned_us, tuned))
 
-        forced = self._forced(rep)
+        # The bucket runner's knobs (Triton: the balanced schedule's seg_cost) can be forced.
+        forced = d._forced(rep, lambda backend, c: _runs_bucket(backend, rep, c))
         if forced is not None:
             add(forced.backend, forced.config, "forced", forced.detail)
         for page in winner_pages(bucket.page_size):
@@ -410,24 +411,6 @@ class BucketRouter:
                 add("torch", cands[0], "fallback", "last resort: torch family")
         self._decided[key] = out
         return out
-
-    def _forced(self, rep: Shape) -> "Decision | None":
-        """`MLA_TUNE_FORCE` for a bucket: the first point of the forced family's space
-        that matches and that its bucket build runs (for Triton the balanced schedule, so
-        `seg_cost` can be forced, which the uniform representative's candidates leave
-        out); else the dispatcher's own lookup, which warns when nothing matches."""
-        from mla_tune.runtime.routing import FORCE_ENV, Decision
-
-        force = getattr(self.d, "_force", None)
-        if force is not None:
-            name, want = force
-            fam = self.d._family(name)
-            if not isinstance(fam, str) and fam.backend.supports(rep) is None:
-                for c in fam.space.grid():
-                    if all(c.get(k) == v for k, v in want.items()) \
-                            and _runs_bucket(fam.backend, rep, c):
-                        return Decision(rep, name, c, "forced", f"by {FORCE_ENV}")
-        return self.d._forced(rep)
 
     def runner(self, bucket: Bucket, *, paged: bool, probe: Any = None,
                cache: dict[tuple[Any, ...], BucketRunner] | None = None) -> BucketRunner:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -333,15 +333,21 @@ class RoutingTable:
                                               sorted(self.ignored.items()))
         return text
 
-    def _forced(self, shape: Shape) -> Decision | None:
+    def _forced(self, shape: Shape,
+                fits: Callable[[Backend, Mapping[str, Any]], bool] | None = None
+                ) -> Decision | None:
+        """`MLA_TUNE_FORCE`'s variant for `shape`: the first point of the forced family's
+        space that matches and runs the shape (`fits`, default the family's feasibility;
+        a length bucket passes its runner's, whose knobs differ)."""
         if self._force is None:
             return None
         name, want = self._force
         fam = self._family(name)
         assert not isinstance(fam, str)  # checked in __init__
         if fam.backend.supports(shape) is None:
-            for c in fam.backend.candidates(shape, self.device):
-                if all(c[k] == v for k, v in want.items()):
+            runs = fits or (lambda backend, c: backend.feasible(shape, c))
+            for c in fam.space.grid():
+                if all(c[k] == v for k, v in want.items()) and runs(fam.backend, c):
                     return Decision(shape, name, c, "forced", f"by {FORCE_ENV}")
         log.warning("mla-tune: %s=%s is not feasible for %s; routing as usual", FORCE_ENV,
                     self._force_spec, shape.key)
@@ -419,15 +425,15 @@ class RoutingTable:
                                 (w.winner.backend, config_key(w.config))))
         for i in transfer_order(shape.batch, shape.kv_len, rows, shape.q_len, sources):
             w, other = loaded[i], sources[i][4]
-            s = w.winner.shape
-            dist = transfer_distance(shape.batch, shape.kv_len, rows, shape.q_len, s.batch,
-                                     s.kv_len, s.q_len * s.heads, s.q_len)
             fam = self._family(w.winner.backend)
             if isinstance(fam, str) or fam.backend.supports(shape) is not None:
                 continue
             moved = self._row_model(w.winner.backend, fam, shape, w, TRANSFER_TRIES)
             if not moved:
                 continue
+            s = w.winner.shape
+            dist = transfer_distance(shape.batch, shape.kv_len, rows, shape.q_len, s.batch,
+                                     s.kv_len, s.q_len * s.heads, s.q_len)
             what = ("a tuned shape of another q_len/heads family" if other
                     else "ragged call: nearest tuned shape" if shape.is_ragged
                     else "no winner here; nearest tuned shape")
