@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from mla_tune.backends.triton_family import TritonFamily, kernel_config
 from mla_tune.kernels.triton import mla_decode as md
@@ -23,39 +25,40 @@ from mla_tune.problem.shapes import KVFormat, Shape
 from mla_tune.tuning.space import load_backend_space
 
 
+def _configs(shape_of: Callable[[KVFormat], Shape], **fixed: Any
+             ) -> Iterator[md.KernelConfig]:
+    """The kernel configs of the declared default space's points feasible at
+    `shape_of(format)`, every format, with the knobs in `fixed` set (duplicates included)."""
+    fam = TritonFamily()
+    for fmt in KVFormat:
+        shape = shape_of(fmt)
+        for point in load_backend_space("triton", "cuda").grid():
+            point = dict(point, **fixed)
+            if fam.feasible(shape, point):
+                yield kernel_config(shape, point)
+
+
 def default_variants() -> list[md.KernelConfig]:
     """Distinct compiled split kernels of the declared default space, over all formats.
     Runtime knobs (splits, fast mode, page size) are folded away."""
-    fam = TritonFamily()
+    # A shape on which every knob value is meaningful: 128 rows, long sequences, and one
+    # query of whole tiles (kv_load='tma_host').
     seen: dict[tuple, md.KernelConfig] = {}
-    for fmt in KVFormat:
-        # A shape on which every knob value is meaningful: 128 rows, long sequences, and
-        # one query of whole tiles (kv_load='tma_host').
-        shape = Shape.uniform(1, 8192, heads=128, kv_format=fmt)
-        for point in load_backend_space("triton", "cuda").grid():
-            point = dict(point, num_splits=1)
-            if not fam.feasible(shape, point):
-                continue
-            cfg = kernel_config(shape, point)
-            seen.setdefault(static_check.variant_key(cfg), cfg)
+    for cfg in _configs(lambda f: Shape.uniform(1, 8192, heads=128, kv_format=f),
+                        num_splits=1):
+        seen.setdefault(static_check.variant_key(cfg), cfg)
     return list(seen.values())
 
 
 def balanced_variants() -> list[tuple[md.KernelConfig, int]]:
     """Distinct compiled split kernels of the balanced schedules (SCHED_TOKENS, SCHED_PAGED)
     over the default space's points a ragged shape admits, as (config, schedule)."""
-    fam = TritonFamily()
+    # Ragged: balanced builds. The merge launch (pdl) leaves the split kernel as it is.
     seen: dict[tuple, tuple[md.KernelConfig, int]] = {}
-    for fmt in KVFormat:
-        shape = Shape(2, (8192, 8000), heads=128, kv_format=fmt)  # ragged: balanced builds
-        for point in load_backend_space("triton", "cuda").grid():
-            # The merge launch (pdl) leaves the split kernel as it is.
-            point = dict(point, num_splits=1, pdl=True)
-            if not fam.feasible(shape, point):
-                continue
-            cfg = kernel_config(shape, point)
-            for sched in (md.SCHED_TOKENS, md.SCHED_PAGED):
-                seen.setdefault(static_check.compiled_key(cfg, sched=sched), (cfg, sched))
+    for cfg in _configs(lambda f: Shape(2, (8192, 8000), heads=128, kv_format=f),
+                        num_splits=1, pdl=True):
+        for sched in (md.SCHED_TOKENS, md.SCHED_PAGED):
+            seen.setdefault(static_check.compiled_key(cfg, sched=sched), (cfg, sched))
     return list(seen.values())
 
 
