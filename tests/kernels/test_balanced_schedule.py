@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,12 +60,9 @@ BOUND = {"bf16": 0.02, "mxfp4": 0.02}
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {r["name"]: r for r in rows}
+    from tests.compiled_child import interpreted_rows
+
+    return interpreted_rows(__file__, timeout=900)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,12 +36,9 @@ CASES: dict[str, tuple[str, tuple[int, ...], int, int, dict[str, Any]]] = {
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {r["name"]: r for r in rows}
+    from tests.compiled_child import interpreted_rows
+
+    return interpreted_rows(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n.startswith("ragged")])

@@ -4,10 +4,6 @@ _interp_cases.py for why), once per test session."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,12 +32,9 @@ def _family(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(HERE / "_interp_cases.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {r["name"]: r for r in rows}
+    from tests.compiled_child import interpreted_rows
+
+    return interpreted_rows(HERE / "_interp_cases.py", timeout=600)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -317,19 +317,6 @@ if __name__ == "__main__":
     _child(sys.argv[1])
 
 
-class TritonRoutedOnCpu(TritonFamily):
-    """The Triton family's GPU space and rules, available on CPU for routing only (no
-    test here builds a variant through it)."""
-
-    def available(self, device):
-        from mla_tune.backends.base import Availability
-
-        return Availability(True)
-
-    def declared_space(self, device):
-        return super().declared_space(torch.device("cuda"))
-
-
 def test_force_can_pin_a_knob_only_the_bucket_runner_has(monkeypatch) -> None:
     """seg_cost exists only where the balanced schedule runs: the uniform representative's
     candidates leave it out, the bucket's forced route does not."""
@@ -337,7 +324,8 @@ def test_force_can_pin_a_knob_only_the_bucket_runner_has(monkeypatch) -> None:
 
     monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
     monkeypatch.setattr(backends, "_instances", dict(backends._instances))
-    backends.register("triton", "tests.runtime.test_buckets:TritonRoutedOnCpu")
+    # The Triton family's GPU space and rules, routed on CPU.
+    backends.register("triton", "tests.runtime.test_dispatcher:TritonStandIn")
     monkeypatch.setenv("MLA_TUNE_FORCE", "triton:seg_cost=4,num_splits=2")
     d = Dispatcher([], "cpu", kv_format="bf16")
     bucket = bucket_of(Shape(32, tuple(range(3000, 3032))))

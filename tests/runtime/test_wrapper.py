@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -232,12 +231,9 @@ def test_bad_pools_and_queries_are_refused() -> None:
 
 def test_triton_wrapper_and_planning_kernel_under_the_interpreter() -> None:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["name"]: r for r in map(json.loads, (line for line in proc.stdout.splitlines()
-                                                   if line.startswith("{")))}
+    from tests.compiled_child import interpreted_rows
+
+    rows = interpreted_rows(__file__, timeout=600)
     assert set(rows) == set(INTERP_CASES) | {"planner_batch_600", "task_ragged",
                                              "int64_metadata_copied"}
     for name, (fmt, _, _, _) in INTERP_CASES.items():
