@@ -3,10 +3,13 @@
 For one loop of bench/serving_loop.py (batch, format, page size; the shipped DB's bucket
 winner), after the bucket's first step: the median host time per call, over blocks of 50
 calls with the GPU kept busy, of
-- `plan(check=False)` (device metadata, the fast path) and `run` as a server calls them;
+- `plan(check=False)` (device metadata, the fast path) and `run` as a server calls them,
+  with launch graphs (the default: the step's launches replayed from one graph once its
+  addresses repeat) and without (`graph_launches=False`: the kernels launched each call);
 - the route's launch function with the step's pointers (what `run` calls after its checks);
 - the Triton C launcher(s) alone, their argument tuples built beforehand;
-- an empty Python call, for scale.
+- the launch of an empty Triton kernel (the driver's own cost) and an empty Python call,
+  for scale.
 
     python3 bench/serving_host_time.py --batch 128 --format bf16 --page 64
 """
@@ -19,6 +22,7 @@ import sys
 import time
 
 import torch
+import triton
 
 import benchkit  # noqa: F401 - refuses to run against another checkout
 from mla_tune import MLADecodeWrapper
@@ -40,6 +44,11 @@ def per_call_us(fn, blocks: int) -> float:
     return statistics.median(out)
 
 
+@triton.jit
+def _empty_kernel(X):
+    pass
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=128)
@@ -58,6 +67,13 @@ def main() -> None:
     w.plan(loop.qo, ptr, idx, lens, check=False)
     w.run(loop.q, loop.cache)
     torch.cuda.synchronize()
+    eager = MLADecodeWrapper(a.format, 16, 1, a.page, dev, dispatcher=disp,
+                             graph_launches=False)
+    eager.plan(loop.qo, ptr, idx, lens, check=False)
+    eager.run(loop.q, loop.cache)
+    x = torch.zeros(16, device=dev)
+    empty = _empty_kernel.warmup(x, grid=(1,))
+    empty_launch = empty.run.launch
     route = w._route
     launcher = route.runner.launcher
     kv_p, scale_p, sc_p, sc_stride = route.pool_ptrs[:4]
@@ -73,6 +89,10 @@ def main() -> None:
         args2 = (*head2, stream, *fix2, qo_p, lens_p, *rest2)
         launches.append(lambda: launch2(*args2))
 
+    md = empty.metadata
+    empty_args = (1, 1, 1, stream, empty.function, md.launch_cooperative_grid, md.launch_pdl,
+                  None, None, empty.packed_metadata, None, None, None, x.data_ptr())
+
     def noop() -> None:
         return None
 
@@ -81,6 +101,9 @@ def main() -> None:
         "run": lambda: w.run(loop.q, loop.cache),
         "plan + run": lambda: (w.plan(loop.qo, ptr, idx, lens, check=False),
                                w.run(loop.q, loop.cache)),
+        "run, eager launches": lambda: eager.run(loop.q, loop.cache),
+        "plan + run, eager launches": lambda: (eager.plan(loop.qo, ptr, idx, lens, check=False),
+                                               eager.run(loop.q, loop.cache)),
         "route launch (pointers given)": lambda: route.launch(q_p, kv_p, scale_p, sc_p,
                                                               sc_stride, qo_p, lens_p, idx_p,
                                                               ptr_p),
@@ -89,6 +112,7 @@ def main() -> None:
     }
     if len(launches) > 1:
         rows["Triton C launch, merge kernel"] = launches[1]
+    rows["an empty Triton kernel's C launch"] = lambda: empty_launch(*empty_args)
     rows["empty Python call"] = noop
     print(f"# {a.batch} {a.format} page {a.page}: bucket {route.bucket.label()}, "
           f"{'fused merge' if merge is None else 'second-launch merge'}, "
@@ -97,6 +121,7 @@ def main() -> None:
     print("| step part | host µs per call |\n|---|---|")
     for name, fn in rows.items():
         print(f"| {name} | {per_call_us(fn, a.blocks):.2f} |", flush=True)
+    print(f"# graphs captured by run: {route.graphed.captures}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ step, pages of each sequence placed at shuffled positions of the pool. Measured:
   tables written into the captured tensors (as a server's graph-static buffers are; the
   writes are the server's and untimed): host time of plan + replay; both compared with
   eager element for element;
+- a server's buffers: each step's tables written into the same tensors (untimed), then
+  plan + run of a default wrapper, whose runs replay a graph of their launches once the
+  addresses repeat (launch graphs): host time of plan and plan + run, graphs captured,
+  outputs compared with eager;
 - the other merge mode of the same balanced runners (fused / second launch): GPU time of
   the wrapper's and the task path's kernels, host time of plan + its launches;
 - `Dispatcher.run` on the task tuples of the same steps (contiguous ragged KV, no kv_lens;
@@ -296,6 +300,33 @@ def run_loop(loop: Loop, disp: Dispatcher, fi_ok: bool, explore: bool) -> dict[s
     r["graph_equal_direct"] = bool(same) and compared > 0
     r["direct_graph_host_us"] = statistics.median(t_host) if t_host else math.nan
 
+    # A server's loop: each step's tables written into the same buffers (the writes are
+    # the server's, untimed), then plan + run of a default wrapper, whose runs launch a
+    # graph of the step's kernels once the addresses repeat (launch graphs).
+    ws = MLADecodeWrapper(loop.fmt, 16, 1, loop.page, dev, dispatcher=disp)
+    same, t_plan, t_host = True, [], []
+    for rep in range(2):
+        for s in range(steps):
+            _, _, (ptr, idx, lens) = loop.tables[s]
+            ptr_b.copy_(ptr)
+            idx_b[:idx.numel()].copy_(idx)
+            lens_b.copy_(lens)
+            idx_v = idx_b[:idx.numel()]
+            t0 = time.perf_counter_ns()
+            ws.plan(loop.qo, ptr_b, idx_v, lens_b, check=False)
+            t1 = time.perf_counter_ns()
+            o = ws.run(loop.q, loop.cache)
+            t2 = time.perf_counter_ns()
+            if rep:
+                t_plan.append((t1 - t0) / 1e3)
+                t_host.append((t2 - t0) / 1e3)
+                same &= torch.equal(o, eager[s])
+    r["buffers_equal"] = bool(same)
+    r["buffers_host_plan_us"] = statistics.median(t_plan)
+    r["buffers_host_us"] = statistics.median(t_host)
+    r["buffers_captures"] = sum(rt.graphed.captures for rt in ws._routes.values()
+                                if rt.graphed is not None)
+
     # custom_kernel on the task tuples (no kv_lens).
     from mla_tune.runtime.buckets import router_for
 
@@ -537,6 +568,7 @@ def main() -> None:
     cols = ["batch", "fmt", "page", "merge", "wrapper", "graph", "task",
             "uniform route (shape)", "uniform tuned", "uniform balanced", "wrapper / ref",
             "task / ref", "FI plan+run", "FI run", "host plan / plan+run",
+            "host, server buffers: plan / plan+run (graphs)",
             "host graph plan+replay (copy / direct)", "wrapper b/a", "graph a", "task b/a",
             "sync", "graph==eager", "err wrapper / task / uniform",
             "other merge: wrapper / task / host"]
@@ -569,11 +601,13 @@ def main() -> None:
                       f"{r['wrapper_gpu_us'] / ref:.2f} | {r['task_gpu_us'] / ref:.2f} | "
                       f"{r['fi_us']:.1f} | {r['fi_run_us']:.1f} | "
                       f"{r['host_plan_us']:.1f} / {r['host_us']:.1f} | "
+                      f"{r['buffers_host_plan_us']:.1f} / {r['buffers_host_us']:.1f} "
+                      f"({r['buffers_captures']}) | "
                       f"{r['graph_host_us']:.1f} / {r['direct_graph_host_us']:.1f} | "
                       f"{r['builds_after']}/{r['allocs_after']} | {r['graph_allocs_after']} | "
                       f"{r['task_builds_after']}/{r['task_allocs_after']} | "
                       f"{'ok' if sync else 'RAISED'} | "
-                      f"{r['graph_equal'] and r['graph_equal_direct']} | "
+                      f"{r['graph_equal'] and r['graph_equal_direct'] and r['buffers_equal']} | "
                       f"{r['max_err']:.4f} / {r['task_err']:.4f} / "
                       f"{r['uniform_err']:.4f} | {alt} |", flush=True)
                 notes.append(f"# {batch} {fmt} p{page}: buckets {r['buckets']}; "

@@ -39,6 +39,13 @@ construct with `use_cuda_graph=True` (FlashInfer's flag): every plan then copies
 metadata into the wrapper's buffers (one small launch) and the graph reads only those,
 whatever tensors later plans bring.
 
+Launch graphs. On a GPU, most of a step's host time is the driver's launch of each kernel
+(mla_tune/runtime/launch_graphs.py). With `graph_launches` (the default), the second `run`
+with the same addresses (q, pool, metadata: a loop over graph-static or reused buffers)
+captures its launches into a graph, and later runs with them launch that graph: one
+driver call for the step's kernels. A run with new addresses launches eagerly; a run
+inside the caller's own graph capture always does. Up to 8 graphs per bucket.
+
 Checks. `run` checks `q` and the pool (dtype, shape, device, layout, 16-byte alignment)
 and raises ValueError before any launch (a pool object checked once is not checked again,
 nor a `q` whose storage has not moved: each tensor query costs host time). `plan` checks the
@@ -61,6 +68,7 @@ import torch
 
 from mla_tune.problem.shapes import MAX_Q_LEN, QK_HEAD_DIM, KVFormat
 from mla_tune.runtime.buckets import Bucket, BucketEdges, BucketRouter, BucketRunner, router_for
+from mla_tune.runtime.launch_graphs import GraphedLaunch
 
 _FP8 = frozenset({torch.float8_e4m3fn, torch.float8_e4m3fnuz})
 _U8 = frozenset({torch.uint8} | ({torch.float4_e2m1fn_x2}
@@ -80,14 +88,17 @@ class _Route:
     copy buffers (made on first need) with their addresses, the metadata addresses CUDA
     graphs captured, and the last pool seen with its parts and addresses."""
 
-    __slots__ = ("bucket", "runner", "paged", "launch", "dummies", "q_shape", "buffers",
-                 "captured", "pool", "pool_parts", "pool_ptrs")
+    __slots__ = ("bucket", "runner", "paged", "launch", "graphed", "dummies", "q_shape",
+                 "buffers", "captured", "pool", "pool_parts", "pool_ptrs")
 
-    def __init__(self, bucket: Bucket, runner: BucketRunner) -> None:
+    def __init__(self, bucket: Bucket, runner: BucketRunner, graphs: bool,
+                 device: torch.device) -> None:
         self.bucket, self.runner, self.paged = bucket, runner, runner.paged
         launcher = getattr(runner, "launcher", None)
         # The Triton runner on a GPU launches from integer pointers (no tensor queries).
         self.launch = getattr(launcher, "launch_ptrs", None)
+        self.graphed = GraphedLaunch(self.launch, device) \
+            if graphs and self.launch is not None else None
         self.dummies = launcher.dummy_ptrs if self.launch is not None else (0, 0, 0)
         self.q_shape = torch.Size((bucket.batch * bucket.q_len, bucket.heads, QK_HEAD_DIM))
         self.buffers: dict[int, tuple[tuple[torch.Tensor, ...], tuple[int, ...]]] = {}
@@ -105,9 +116,11 @@ class MLADecodeWrapper:
                  device: str | torch.device | None = None, *, dispatcher: Any = None,
                  db: str | None = None, winners: str | None = None,
                  edges: BucketEdges | None = None, check_inputs: bool = True,
-                 use_cuda_graph: bool = False) -> None:
+                 use_cuda_graph: bool = False, graph_launches: bool = True) -> None:
         """Winners come from `dispatcher`, else a winners JSON file `winners`, else the
-        tuning DB `db` (a URL, a path, or 'shipped'; None: the Dispatcher's default)."""
+        tuning DB `db` (a URL, a path, or 'shipped'; None: the Dispatcher's default).
+        `graph_launches`: replay a run's launches from a graph once its addresses repeat
+        (module docstring, "Launch graphs")."""
         from mla_tune.runtime.dispatcher import Dispatcher
 
         self.kv_format = KVFormat.parse(kv_format) if isinstance(kv_format, str) \
@@ -135,9 +148,12 @@ class MLADecodeWrapper:
             self.router = BucketRouter(dispatcher, edges)
         self.check_inputs = check_inputs
         self.use_cuda_graph = use_cuda_graph
+        self.graph_launches = graph_launches and self._cuda
         self._direct = not use_cuda_graph
         self._runners: dict[tuple[Any, ...], BucketRunner] = {}
         self._routes: dict[tuple[int, int], _Route] = {}
+        self._sized: dict[tuple[int, int], _Route] = {}
+        """The route of each (batch, pages) the fast plan path has seen (no class lookup)."""
         self._aranges: dict[tuple[int, int, bool], torch.Tensor] = {}
         self._route: _Route | None = None
         self._bound: tuple[torch.Tensor, ...] = ()
@@ -240,12 +256,19 @@ class MLADecodeWrapper:
                                                       and ptr.is_contiguous()
                                                       and idx.is_contiguous()):
             return False
-        total = nnz * self.page_size  # pages: an upper bound on the tokens
-        q_tokens = batch * self.q_len
-        hi = self._kv_class(-(-(total if total > q_tokens else q_tokens) // batch))[1]
-        route = self._routes.get((batch, hi))
+        size = (batch, nnz)
+        route = self._sized.get(size)
         if route is None:
-            return False
+            total = nnz * self.page_size  # pages: an upper bound on the tokens
+            q_tokens = batch * self.q_len
+            hi = self._kv_class(-(-(total if total > q_tokens else q_tokens) // batch))[1]
+            route = self._routes.get((batch, hi))
+            if route is None:
+                return False
+            if len(self._sized) >= 4096:
+                self._sized.clear()
+            self._sized[size] = route
+        total = nnz * self.page_size
         if self._direct:
             if route.captured and key not in route.captured:
                 return False
@@ -285,7 +308,8 @@ class MLADecodeWrapper:
         lo = self.router.edges.kv_class(hi)[0]
         bucket = Bucket(batch, lo, hi, self.q_len, self.heads, self.kv_format, self.page_size)
         runner = self.router.runner(bucket, paged=True, cache=self._runners)
-        route = self._routes[(batch, hi)] = _Route(bucket, runner)
+        route = self._routes[(batch, hi)] = _Route(bucket, runner, self.graph_launches,
+                                                   self.device)
         return route
 
     def _buffers(self, route: _Route, nnz: int) -> tuple[tuple[torch.Tensor, ...],
@@ -380,13 +404,17 @@ class MLADecodeWrapper:
             q_ptr = self._q_ptr
         else:
             q_ptr = q.data_ptr() if route.launch is not None else 0
-        if self._key and self._cuda and _capturing():
-            route.captured.add(self._key)
         if route.launch is not None:
+            launch = route.graphed or route.launch
+            if self._cuda and _capturing():  # the caller's graph records eager launches
+                launch = route.launch
+                if self._key:
+                    route.captured.add(self._key)
             kv_p, scale_p, sc_p, sc_stride = route.pool_ptrs[:4]
             qo_p, lens_p, ptr_p, idx_p = self._ptrs
-            return route.launch(q_ptr, kv_p, scale_p, sc_p, sc_stride, qo_p, lens_p, idx_p,
-                                ptr_p)
+            return launch(q_ptr, kv_p, scale_p, sc_p, sc_stride, qo_p, lens_p, idx_p, ptr_p)
+        if self._key and self._cuda and _capturing():
+            route.captured.add(self._key)
         kv, scale, sc = route.pool_parts
         qo, lens, ptr, idx = self._bound
         return route.paged(q, kv, scale, sc, qo, lens, ptr, idx[:self._nnz], self._max_len)

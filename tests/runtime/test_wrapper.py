@@ -305,6 +305,44 @@ def test_cuda_graph_replay_matches_eager_across_steps() -> None:
                 w.plan(qo, p.clone(), i.clone(), n.clone(), check=False)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="launch graphs need a CUDA GPU")
+def test_graph_launches_replay_what_eager_launches_compute() -> None:
+    """Steps written into the same tensors: the second run captures, later runs replay a
+    graph, outputs equal a wrapper launching eagerly; new addresses launch eagerly."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    steps = _gpu_steps(dev)
+    q_buf, pool = steps[-1][0].clone(), torch.zeros_like(steps[-1][1])
+    idx_buf = torch.zeros_like(steps[-1][2])
+    ptr_buf, lens_buf = torch.zeros_like(steps[-1][3]), torch.zeros_like(steps[-1][4])
+    qo = torch.arange(4, dtype=torch.int32, device=dev)
+    outs = []
+    for graphs in (True, False):
+        w = MLADecodeWrapper("bf16", 16, 1, 16, dev, dispatcher=Dispatcher([], dev),
+                             graph_launches=graphs)
+        got = []
+        for s in (0, 1, 2, 3, 3, 2):
+            q, c, i, p, n = steps[s]
+            q_buf.copy_(q)
+            pool[:c.shape[0]].copy_(c)
+            idx_buf.zero_()[:i.numel()].copy_(i)
+            ptr_buf.copy_(p)
+            lens_buf.copy_(n)
+            w.plan(qo, ptr_buf, idx_buf[:i.numel()], lens_buf, check=False)
+            got.append(w.run(q_buf, pool).clone())
+        graphed = w._route.graphed
+        if graphs:
+            assert graphed is not None and graphed.captures == 1
+            w.plan(qo, ptr_buf.clone(), idx_buf.clone(), lens_buf.clone(), check=False)
+            assert torch.equal(w.run(q_buf, pool), got[-1])  # other tensors: eager
+            assert graphed.captures == 1
+        else:
+            assert graphed is None
+        outs.append(got)
+    torch.cuda.synchronize()
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 # -- the interpreter child ---------------------------------------------------------------
 
 INTERP_CASES = {
