@@ -244,6 +244,7 @@ class AiterBackend(Backend):
 
     name = "aiter"
     description = "aiter mla_decode_fwd (vendor baseline, AMD MI300/MI355X)"
+    plans_own_rows = True  # its planner tiles the rows of any q_len x heads itself
 
     def available(self, device: torch.device) -> Availability:
         dev = torch.device(device)

@@ -41,6 +41,10 @@ class Backend(ABC):
 
     name: ClassVar[str]
     description: ClassVar[str] = ""
+    plans_own_rows: ClassVar[bool] = False
+    """True for a library that chooses its own tiling for any q_len x heads (its knobs say
+    nothing about query rows): a config tuned for one q_len/heads family then serves
+    another as it is, so the dispatcher's transfers across families may take it."""
 
     @abstractmethod
     def available(self, device: torch.device) -> Availability:

@@ -192,6 +192,7 @@ class FlashInferBackend(Backend):
 
     name = "flashinfer"
     description = "FlashInfer BatchMLAPagedAttentionWrapper (vendor baseline, NVIDIA)"
+    plans_own_rows = True  # its planner tiles the rows of any q_len x heads itself
 
     def available(self, device: torch.device) -> Availability:
         dev = torch.device(device)

@@ -408,8 +408,13 @@ class RoutingTable:
         size) by `transfer_distance` (the call's own family first on ties), its variant
         moved by the row model: block and splits re-derived, other knobs kept where the
         call's feasible candidates allow; a few alternatives, in case the first fails its
-        precheck. Only row-blocked variants (a `block_m` knob) move: of other families
-        nothing says how a config tuned for other rows behaves."""
+        precheck. Row-blocked variants (a `block_m` knob) move so; a library that plans
+        its own rows (`Backend.plans_own_rows`) serves a call with at least its source's
+        rows per sequence with its config as tuned (a library's lead over the row-blocked
+        kernels grows with the rows: on the H200, FlashInfer won most bf16 shapes of 64
+        or more rows and few of 16), the next source's moved variants after it (should
+        the library refuse the call); of other families nothing says how a config tuned
+        for other rows behaves."""
         rows = shape.q_len * shape.heads
         own = _shape_family(shape)
         loaded, sources = [], []
@@ -417,18 +422,22 @@ class RoutingTable:
             if (fam_key[0], fam_key[3]) != (shape.kv_format, shape.page_size):
                 continue
             for w in winners:
-                if ROW_BLOCK_KNOB not in w.config:
-                    continue  # the model moves row-blocked variants only
                 s = w.winner.shape
+                if ROW_BLOCK_KNOB not in w.config and (
+                        not self._plans_rows(w.winner.backend) or s.q_len * s.heads > rows):
+                    continue  # nothing says how its config behaves at these rows
                 loaded.append(w)
                 sources.append((s.batch, s.kv_len, s.q_len * s.heads, s.q_len, fam_key != own,
                                 (w.winner.backend, config_key(w.config))))
+        out: list[Decision] = []
         for i in transfer_order(shape.batch, shape.kv_len, rows, shape.q_len, sources):
             w, other = loaded[i], sources[i][4]
             fam = self._family(w.winner.backend)
             if isinstance(fam, str) or fam.backend.supports(shape) is not None:
                 continue
-            moved = self._row_model(w.winner.backend, fam, shape, w, TRANSFER_TRIES)
+            moved = self._row_model(w.winner.backend, fam, shape, w, TRANSFER_TRIES) \
+                if ROW_BLOCK_KNOB in w.config else self._as_tuned(w.winner.backend, fam,
+                                                                   shape, w.config)
             if not moved:
                 continue
             s = w.winner.shape
@@ -439,11 +448,27 @@ class RoutingTable:
                     else "no winner here; nearest tuned shape")
             head = (f"{what} {s.label()} (distance {dist[0]:.2f} over log batch, kv, "
                     f"rows; {w.winner.median_us:.1f} us there)")
-            return [Decision(shape, w.winner.backend, config,
+            out += [Decision(shape, w.winner.backend, config,
                              "transfer" if other else "nearest",
                              f"{head}; {note}; {trust[1]}", w.winner.median_us, s)
                     for config, trust, note in moved]
-        return []
+            if ROW_BLOCK_KNOB in w.config:
+                break  # a library's config as tuned is followed by the nearest moved one
+        return out
+
+    def _plans_rows(self, name: str) -> bool:
+        """Whether backend `name` runs here and plans its own rows (Backend.plans_own_rows)."""
+        fam = self._family(name)
+        return not isinstance(fam, str) and fam.backend.plans_own_rows
+
+    def _as_tuned(self, name: str, fam: _Family, shape: Shape, config: Mapping[str, Any]
+                  ) -> list[tuple[dict[str, Any], tuple[int, str], str]]:
+        """A tuned config of a library that plans its own rows, for `shape` as it is: if
+        feasible there and not stored wrong (or suspect) there."""
+        trust = self.trust(name, config, shape)
+        if trust is None or trust[0] >= 2 or not fam.backend.feasible(shape, config):
+            return []
+        return [(dict(config), trust, f"{name} plans its own rows: config as tuned")]
 
     def _row_model(self, name: str, fam: _Family, shape: Shape, source: _Loaded | None,
                    limit: int) -> list[tuple[dict[str, Any], tuple[int, str], str]]:

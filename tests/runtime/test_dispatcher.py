@@ -737,6 +737,53 @@ def test_a_family_without_winners_runs_a_transferred_variant_with_its_rows_re_de
     assert trace == [f"mla-tune route: {ran[0].removeprefix('mla-tune: ')}"]
 
 
+class RowPlanner(TorchFamily):
+    """A library that plans its own rows (as FlashInfer and aiter do), on CPU: the torch
+    family's kernel and space under another name."""
+
+    name = "rowplanner"
+    plans_own_rows = True
+
+    def declared_space(self, device):
+        return TorchFamily().declared_space(device)
+
+    def source_files(self):
+        return [Path(__file__)]
+
+
+def test_a_library_planning_its_own_rows_serves_another_family_as_tuned(standin, monkeypatch):
+    """The nearest tuned shape of another q_len/heads family was won by a library whose
+    knobs say nothing about rows: the call takes that config as tuned, and it runs."""
+    register("rowplanner", "tests.runtime.test_dispatcher:RowPlanner")
+    lib_cfg = {"num_splits": 4, "chunk_size": 0, "compute_dtype": "float32"}
+    near, far = Shape.uniform(2, 256, q_len=4, heads=16), Shape.uniform(16, 1024)
+    lib = get_backend("rowplanner")
+    d = _as_h200(Dispatcher([
+        Winner(current_device("cpu"), current_software(), near, "rowplanner",
+               lib.source_hash(), dict(lib_cfg), 9.0),
+        _triton_winner(far, SWEPT_Q1H16, 30.0)], "cpu", kv_format="bf16"))
+    chain = d.decisions(Q4H32)
+    first = chain[0]
+    assert (first.reason, first.backend, first.config, first.tuned_shape) == \
+        ("transfer", "rowplanner", lib_cfg, near)
+    assert "plans its own rows" in first.detail
+    assert any(x.backend == "triton" and x.reason == "transfer" for x in chain[1:])
+    data = generate_input(Q4H32, seed=1, device="cpu")
+    check(d.run(data), mla_decode_reference(*data[:4], data[4], kv_format="bf16"),
+          tolerance_for(Q4H32.kv_format))
+    # Fewer rows than the library's source (16 against 64): the Triton variant moves.
+    q1 = Shape.uniform(2, 256)
+    chain = d.decisions(q1)
+    assert chain[0].backend == "triton" and all(x.backend != "rowplanner" for x in chain)
+    # The same winner under a family that says nothing about its rows does not move.
+    monkeypatch.setattr(RowPlanner, "plans_own_rows", False)
+    d = _as_h200(Dispatcher([
+        Winner(current_device("cpu"), current_software(), near, "rowplanner",
+               lib.source_hash(), dict(lib_cfg), 9.0),
+        _triton_winner(far, SWEPT_Q1H16, 30.0)], "cpu", kv_format="bf16"))
+    assert all(x.backend == "triton" for x in d.decisions(Q4H32) if x.reason == "transfer")
+
+
 def test_a_transfer_never_runs_a_variant_stored_wrong_at_the_call(standin):
     near = Shape.uniform(2, 256)
     table = [_triton_winner(near, SWEPT_Q1H16, 12.0)]
