@@ -12,7 +12,8 @@ not mla-tune. The file is rendered from the tuning DB, never edited by hand:
   verbatim but for their `from __future__` and in-project import lines;
 - the device's winners as literals, and `custom_kernel(data)`.
 Only Triton winners of the installed kernel sources are exported (other families' code
-cannot travel in the file; the header says what was left out). Of several winners of one
+cannot travel in the file; the header says what was left out); a shape won by another
+family (a vendor library) carries its fastest Triton trial instead. Of several winners of one
 shape (several software stacks), the fastest is kept, as the dispatcher does between
 stacks that differ equally from the running one. The same DB and arguments give the same
 bytes: everything is sorted and nothing depends on the time or the machine.
@@ -24,7 +25,7 @@ import ast
 import hashlib
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -163,10 +164,12 @@ def _families(shapes: Sequence[Shape]) -> set[tuple[int, int]]:
 
 def render_submission(records: Sequence[Winner], device_hash: str, *,
                       db_label: str, shapes: Sequence[Shape] = (),
-                      leaderboard: str | None = None, gpu: str | None = None) -> Submission:
+                      leaderboard: str | None = None, gpu: str | None = None,
+                      stand_ins: int = 0) -> Submission:
     """The submission file for the winners of device `device_hash` in `records`. `shapes`
     (a suite): keep only winners of their heads/q_len (all the exact and nearest routes
-    of those shapes can use) and list their expected times in the header."""
+    of those shapes can use) and list their expected times in the header. `stand_ins`:
+    how many records are `triton_stand_ins` (said in the header)."""
     from mla_tune.backends import get_backend
     from mla_tune.tuning.space import load_backend_space
 
@@ -216,7 +219,7 @@ def render_submission(records: Sequence[Winner], device_hash: str, *,
                                                 for k, v in winners.items()) + "}\n")
     digest = hashlib.sha256(literals.encode()).hexdigest()[:16]
     header = _header(db_label, device_hash, device.to_json(), stacks, sources, winners,
-                     left, shapes, digest, leaderboard, gpu)
+                     left, shapes, digest, leaderboard, gpu, stand_ins)
     tail = ('\n\n_router = SubmissionRouter(TABLE_DEVICE, TABLE_WINNERS, TRITON_SPACES, '
             'TABLE_STACKS, TABLE_CHECKS)\n_routes = _router.routes\n\n\n'
             'def custom_kernel(data):\n'
@@ -241,7 +244,7 @@ def render_submission(records: Sequence[Winner], device_hash: str, *,
 def _header(db_label: str, device_hash: str, device: dict[str, Any],
             stacks: dict[str, dict[str, str]], sources: dict[str, str],
             winners: dict[str, tuple], left: dict[str, int], shapes: Sequence[Shape],
-            digest: str, leaderboard: str | None, gpu: str | None) -> str:
+            digest: str, leaderboard: str | None, gpu: str | None, stand_ins: int = 0) -> str:
     lines = []
     if leaderboard:
         lines.append(f"#!POPCORN leaderboard {leaderboard}")
@@ -262,6 +265,9 @@ def _header(db_label: str, device_hash: str, device: dict[str, Any],
                      f"({n} winners)")
     for why in sorted(left):
         lines.append(f"# Left out: {left[why]} {why}.")
+    if stand_ins:
+        lines.append(f"# {stand_ins} shapes won by such a family carry their fastest Triton "
+                     "trial instead.")
     if shapes:
         lines.append("# Expected per call (tuned median us, L2 flushed; the format is the "
                      "dispatcher's choice among all three):")
@@ -300,6 +306,33 @@ def _expectations(shapes: Sequence[Shape], winners: dict[str, tuple]) -> list[st
     return out
 
 
+def triton_stand_ins(store: Any, records: Sequence[Winner], device_hash: str) -> list[Winner]:
+    """For each contiguous shape of device `device_hash` whose winner is of a family that
+    cannot travel in the file (a vendor library), the fastest 'ok' trial of the current
+    Triton sources at that shape, as a winner record: the file then routes that shape to
+    the best kernel it carries, where leaving it out would send it to a fallback."""
+    from mla_tune.backends import get_backend
+    from mla_tune.results.selection import fastest_correct
+
+    source = get_backend("triton").source_hash()
+    have = {r.shape.key for r in records if r.backend in EXPORTABLE
+            and r.source_hash == source and r.device.hash == device_hash}
+    out = []
+    for r in records:
+        if r.backend in EXPORTABLE or r.device.hash != device_hash or r.shape.page_size != 1 \
+                or r.shape.key in have or r.device_id is None:
+            continue
+        best = fastest_correct(store.trials(device_id=r.device_id, software_id=r.software_id,
+                                            shape_key=r.shape.key, backend="triton",
+                                            source_hash=source, status="ok"))
+        if best is None:
+            continue
+        have.add(r.shape.key)
+        out.append(replace(r, backend="triton", source_hash=source, config=dict(best.config),
+                           median_us=float(best.median_us), trial_id=best.id, id=None))
+    return out
+
+
 def write_submission(store: Any, path: str | Path, *, device_hash: str | None, db_label: str,
                      shapes: Sequence[Shape] = (), leaderboard: str | None = None,
                      gpu: str | None = None) -> Submission:
@@ -321,8 +354,10 @@ def write_submission(store: Any, path: str | Path, *, device_hash: str | None, d
             raise SubmissionError(f"{db_label} has winners of {len(devices)} devices "
                                   f"({', '.join(devices) or 'none'}); pick one with --device")
         device_hash = devices[0]
-    sub = render_submission(records, device_hash, db_label=db_label, shapes=shapes,
-                            leaderboard=leaderboard, gpu=gpu)
+    stand_ins = triton_stand_ins(store, records, device_hash)
+    sub = render_submission(records + stand_ins, device_hash, db_label=db_label,
+                            shapes=shapes, leaderboard=leaderboard, gpu=gpu,
+                            stand_ins=len(stand_ins))
     p = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.absolute().parent)
     try:

@@ -352,3 +352,33 @@ def test_file_never_routes_to_a_variant_stored_wrong(tmp_path: Path,
     assert exact[:2] == ("exact", _full(TRITON_CFG))
     heur = mod._router.decisions("bf16", 2, (128, 128), 1, 16)
     assert all(c != _full(TRITON_CFG) for _, c, _ in heur)
+
+
+def test_a_shape_won_by_another_family_carries_its_fastest_triton_trial(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2x256's winner is the torch family's (its code cannot travel in the file): the file
+    routes that shape to its fastest Triton trial, exactly, and its header says so."""
+    dev, env = _local()
+    here = current_device(dev)
+    shape = Shape.uniform(2, 256)
+    cfg_slow = {**TRITON_CFG, "num_splits": 1}
+    db = _db(tmp_path / "t.db", [(here, shape, cfg_slow, 12.0), (here, shape, TRITON_CFG, 9.0)])
+    with TuningStore(db) as store:
+        d, sw = store.device_id(here), store.software_id(current_software())
+        torch_source = get_backend("torch").source_hash()
+        store.record_trial(TrialGroup(d, sw, shape.key, "torch", torch_source),
+                           TrialResult(shape.to_json(), "bf16", {"num_splits": 1,
+                                       "chunk_size": 0, "compute_dtype": "float32"}, "ok",
+                                       stats={"median_us": 3.0}))
+        update_winner(store, d, sw, shape.key,
+                      {"triton": get_backend("triton").source_hash(), "torch": torch_source})
+        assert [w.backend for w in store.winners()] == ["torch"]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    sub = _export(db, tmp_path / "stand_in_submission.py")
+    text = sub.read_text()
+    assert "1 torch winners (only Triton kernels travel in the file)" in text
+    assert "1 shapes won by such a family carry their fastest Triton trial instead" in text
+    mod = _load(sub, monkeypatch)
+    first = mod._router.decisions("bf16", 2, (256, 256), 1, 16)[0]
+    assert first[:2] == ("exact", _full(TRITON_CFG)), first
