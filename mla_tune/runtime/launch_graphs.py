@@ -16,7 +16,9 @@ the same arguments, so it does what the eager launch would do. Other calls launc
 a loop with fresh addresses every step, or cycling through more address sets than that,
 pays no captures. At most `capacity` graphs are kept per runner (the oldest dropped
 first); no device memory is taken from torch's allocator (the launches allocate nothing).
-Callers launch eagerly (`eager`) while the stream is capturing a graph of its own.
+Callers launch eagerly (`eager`) while the stream is capturing a graph of its own. A
+capture that fails (a driver or stream state that refuses it) turns graphs off for the
+runner (`off` says why) and the call launches eagerly: graphs never cost a call.
 """
 
 from __future__ import annotations
@@ -49,12 +51,16 @@ class GraphedLaunch:
         self._recent: list[tuple] = []
         self.captures = 0
         """Graphs captured so far (each one costs one capture and instantiation)."""
+        self.off = ""
+        """Why graphs are off for this runner (a capture failed), or empty."""
 
     def __call__(self, *args: Any) -> Any:
         hit = self._graphs.get(args)
         if hit is not None:
             hit[0]()
             return hit[1]
+        if self.off:
+            return self.launch(*args)
         recent = self._recent
         if args not in recent:
             if len(recent) >= self.capacity:
@@ -65,7 +71,11 @@ class GraphedLaunch:
         if len(self._graphs) >= self.capacity:
             del self._graphs[next(iter(self._graphs))]
         launch = self.launch
-        replay, result = self._capture(lambda: launch(*args))
+        try:
+            replay, result = self._capture(lambda: launch(*args))
+        except Exception as e:  # noqa: BLE001 - graphs are an optimisation; eager still runs
+            self.off = f"capture failed: {type(e).__name__}: {e}"
+            return launch(*args)
         self._graphs[args] = (replay, result)
         self.captures += 1
         replay()

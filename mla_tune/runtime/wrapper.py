@@ -40,11 +40,12 @@ metadata into the wrapper's buffers (one small launch) and the graph reads only 
 whatever tensors later plans bring.
 
 Launch graphs. On a GPU, most of a step's host time is the driver's launch of each kernel
-(mla_tune/runtime/launch_graphs.py). With `graph_launches` (the default), the second `run`
-with the same addresses (q, pool, metadata: a loop over graph-static or reused buffers)
-captures its launches into a graph, and later runs with them launch that graph: one
-driver call for the step's kernels. A run with new addresses launches eagerly; a run
-inside the caller's own graph capture always does. Up to 8 graphs per bucket.
+(mla_tune/runtime/launch_graphs.py). With `graph_launches` (the default), a `run` whose
+addresses (q, pool, metadata: a loop over graph-static or reused buffers) were those of
+one of the bucket's last 8 runs captures its launches into a graph, and later runs with
+them launch that graph: one driver call for the step's kernels. A run with new addresses
+launches eagerly; a run inside the caller's own graph capture always does; a capture that
+fails turns graphs off for the bucket. Up to 8 graphs per bucket.
 
 Checks. `run` checks `q` and the pool (dtype, shape, device, layout, 16-byte alignment)
 and raises ValueError before any launch (a pool object checked once is not checked again,

@@ -86,3 +86,14 @@ def test_eager_bypasses_graphs() -> None:
     for _ in range(3):
         g.eager(5)
     assert r.eager == [(5,)] * 3 and g.captures == 0
+
+
+def test_a_failing_capture_turns_graphs_off_and_launches_eagerly() -> None:
+    r = Recorder()
+
+    def broken(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    g = GraphedLaunch(r.launch, torch.device("cpu"), capture=broken)
+    assert [g(7) for _ in range(4)] == ["out(7,)"] * 4
+    assert r.eager == [(7,)] * 4 and g.captures == 0 and "capture failed" in g.off
