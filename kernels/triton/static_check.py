@@ -172,6 +172,40 @@ def _cubin_usage(cubin: bytes) -> tuple[int, int]:
         stack.group(1) if stack else 0)
 
 
+_MMA = re.compile(r"\b[HQI]?GMMA\b|\bHMMA\b|\bIMMA\b")
+_SPILL = re.compile(r"\b(LDL|STL)\b")
+
+
+def spill_sites(cubin: bytes) -> tuple[int, int]:
+    """(spill instructions in the kernel, those inside its tile loops): local-memory loads
+    and stores in the SASS, and how many of them lie inside an innermost loop that issues
+    matrix instructions, which runs once per KV tile. Spills outside it run once per
+    program or per sequence, a cost next to nothing beside the tiles' (the balanced
+    schedule's spills sit there: bench/results/static_check.md). NVIDIA cubins, read
+    with the nvdisasm bundled with Triton."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "k.cubin"
+        f.write_bytes(cubin)
+        res = subprocess.run([str(knobs.nvidia.nvdisasm.path), "-c", str(f)],
+                             capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"nvdisasm failed: {res.stderr[:200]}")
+    lines = res.stdout.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines)
+              if (m := re.match(r"\s*\.(L_x_\d+):", line))}
+    loops = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := re.search(r"\bBRA\b[^;]*`\(\.(L_x_\d+)\)", line))
+             and labels.get(m.group(1), i) < i]
+    mma_loops = [(a, b) for a, b in loops if any(_MMA.search(x) for x in lines[a:b])]
+    tile_loops = [(a, b) for a, b in mma_loops
+                  if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in mma_loops)]
+    spills = [i for i, line in enumerate(lines) if _SPILL.search(line)]
+    hot = sum(any(a <= i <= b for a, b in tile_loops) for i in spills)
+    return len(spills), hot
+
+
 def _amdgcn_usage(asm: str) -> tuple[int, int]:
     """(VGPRs incl. AGPRs, spill count) from the AMDGCN metadata text."""
     def field(name: str) -> int:

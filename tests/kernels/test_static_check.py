@@ -234,3 +234,35 @@ def test_concurrent_checks_of_one_variant_agree_and_corrupt_entries_are_rewritte
     assert rewritten is not None and _resources(asdict(rewritten)) == cuda
     assert sc._read_cache(sc._cache_path(sc.compiled_key(_tiny()), "hip:gfx950"),
                           "hip:gfx950") == stamp  # the intact entry was reused as it was
+
+
+SPILL_SITES = r"""
+import json
+from mla_tune.kernels.triton import mla_decode as md, static_check as sc
+from mla_tune.kernels.triton.launch import variant_config
+cfg = variant_config("fp8", 1, {"compute": "fp8", "block_m": 16, "block_n": 64, "num_warps": 4,
+                                "num_stages": 3, "num_splits": 2, "page_size": 1,
+                                "fast_mode": True, "kv_load": "pointer"})
+cvt = variant_config("fp8", 1, {"compute": "bf16", "block_m": 16, "block_n": 64, "num_warps": 4,
+                                "num_stages": 3, "num_splits": 2, "page_size": 1,
+                                "fast_mode": True, "kv_load": "pointer"})
+for name, c, sched in (("split", cfg, md.SCHED_SPLITS), ("tokens", cfg, md.SCHED_TOKENS),
+                       ("converted", cvt, md.SCHED_SPLITS)):
+    k = sc.compile_split(c, "cuda:90", 16, sched)
+    print(json.dumps({"name": name, "bytes": sc.usage(k, "cuda:90")[1],
+                      "sites": sc.spill_sites(k.asm["cubin"])}))
+"""
+
+
+def test_spill_sites_tell_tile_loop_spills_from_per_sequence_ones() -> None:
+    """The fp8 path's split kernel is clean; its balanced schedule spills, outside the
+    tile loop only; fp8 converted to bf16 spills inside it (bench/results/static_check.md)."""
+    proc = run_compiled(["-c", SPILL_SITES], timeout=600)
+    rows = {r["name"]: r for r in map(json.loads, (x for x in proc.stdout.splitlines()
+                                                   if x.startswith("{")))}
+    assert set(rows) == {"split", "tokens", "converted"}, proc.stderr[-3000:]
+    assert rows["split"]["bytes"] == 0 and rows["split"]["sites"] == [0, 0]
+    total, hot = rows["tokens"]["sites"]
+    assert rows["tokens"]["bytes"] > 0 and total > 0 and hot == 0
+    total, hot = rows["converted"]["sites"]
+    assert 0 < hot <= total
