@@ -16,7 +16,7 @@ the same arguments, so it does what the eager launch would do. Other calls launc
 a loop with fresh addresses every step, or cycling through more address sets than that,
 pays no captures. At most `capacity` graphs are kept per runner (the oldest dropped
 first); no device memory is taken from torch's allocator (the launches allocate nothing).
-Callers launch eagerly (`eager`) while the stream is capturing a graph of its own. A
+Callers call `launch` itself while the stream is capturing a graph of its own. A
 capture that fails (a driver or stream state that refuses it) turns graphs off for the
 runner (`off` says why) and the call launches eagerly: graphs never cost a call.
 """
@@ -80,15 +80,6 @@ class GraphedLaunch:
         self.captures += 1
         replay()
         return result
-
-    def eager(self, *args: Any) -> Any:
-        """Launch without graphs (for calls inside a caller's own capture)."""
-        return self.launch(*args)
-
-    def clear(self) -> None:
-        """Drop every graph (after the runner's launch arguments changed)."""
-        self._graphs.clear()
-        self._recent.clear()
 
 
 @functools.cache
