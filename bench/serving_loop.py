@@ -269,12 +269,17 @@ def run_loop(loop: Loop, disp: Dispatcher, fi_ok: bool, explore: bool) -> dict[s
     _, _, (ptr_l, idx_l, lens_l) = loop.tables[steps - 1]
     ptr_b, idx_b, lens_b = ptr_l.clone(), torch.zeros_like(idx_l), lens_l.clone()
 
-    def write(s: int) -> None:
+    def fill(s: int) -> torch.Tensor:
+        """Step s's tables written into the buffers (as a server's persistent ones); the
+        server's view of its page-index buffer (same address every step)."""
         _, _, (ptr, idx, lens) = loop.tables[s]
         ptr_b.copy_(ptr)
         idx_b[:idx.numel()].copy_(idx)
         lens_b.copy_(lens)
-        wd.plan(loop.qo, ptr_b, idx_b[:idx.numel()], lens_b, check=False)
+        return idx_b[:idx.numel()]
+
+    def write(s: int) -> None:
+        wd.plan(loop.qo, ptr_b, fill(s), lens_b, check=False)
 
     write(0)
     wd.run(loop.q, loop.cache)  # warm
@@ -285,11 +290,7 @@ def run_loop(loop: Loop, disp: Dispatcher, fi_ok: bool, explore: bool) -> dict[s
         o = wd.run(loop.q, loop.cache)
     same, compared, t_host = True, 0, []
     for s in range(steps):
-        _, _, (ptr, idx, lens) = loop.tables[s]
-        ptr_b.copy_(ptr)
-        idx_b[:idx.numel()].copy_(idx)
-        lens_b.copy_(lens)
-        idx_v = idx_b[:idx.numel()]  # the server's view of its buffer (same address)
+        idx_v = fill(s)
         t0 = time.perf_counter_ns()
         wd.plan(loop.qo, ptr_b, idx_v, lens_b, check=False)
         if wd.bucket == captured:
@@ -307,11 +308,7 @@ def run_loop(loop: Loop, disp: Dispatcher, fi_ok: bool, explore: bool) -> dict[s
     same, t_plan, t_host = True, [], []
     for rep in range(2):
         for s in range(steps):
-            _, _, (ptr, idx, lens) = loop.tables[s]
-            ptr_b.copy_(ptr)
-            idx_b[:idx.numel()].copy_(idx)
-            lens_b.copy_(lens)
-            idx_v = idx_b[:idx.numel()]
+            idx_v = fill(s)
             t0 = time.perf_counter_ns()
             ws.plan(loop.qo, ptr_b, idx_v, lens_b, check=False)
             t1 = time.perf_counter_ns()

@@ -150,18 +150,23 @@ def _write_cache(path: Path, rep: CompileReport) -> None:
                 os.unlink(tmp)
 
 
+def _run_on_cubin(tool: Path, flag: str, cubin: bytes) -> subprocess.CompletedProcess[str]:
+    """Run one of the CUDA binary tools bundled with Triton on `cubin` (written to a
+    temporary file), output captured as text."""
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "k.cubin"
+        f.write_bytes(cubin)
+        return subprocess.run([str(tool), flag, str(f)], capture_output=True, text=True)
+
+
 def _cubin_usage(cubin: bytes) -> tuple[int, int]:
     """(registers, local-memory bytes per thread) of the compiled cubin, read with the
     cuobjdump bundled with Triton (no second ptxas run). Local memory in these kernels
     only comes from register spills."""
     from triton import knobs
 
-    tool = Path(knobs.nvidia.ptxas.path).with_name("cuobjdump")
-    with tempfile.TemporaryDirectory() as d:
-        f = Path(d) / "k.cubin"
-        f.write_bytes(cubin)
-        res = subprocess.run([str(tool), "--dump-resource-usage", str(f)],
-                             capture_output=True, text=True)
+    res = _run_on_cubin(Path(knobs.nvidia.ptxas.path).with_name("cuobjdump"),
+                        "--dump-resource-usage", cubin)
     text = res.stdout + res.stderr
     regs = re.search(r"REG:(\d+)", text)
     local = re.search(r"LOCAL:(\d+)", text)
@@ -185,11 +190,7 @@ def spill_sites(cubin: bytes) -> tuple[int, int]:
     with the nvdisasm bundled with Triton."""
     from triton import knobs
 
-    with tempfile.TemporaryDirectory() as d:
-        f = Path(d) / "k.cubin"
-        f.write_bytes(cubin)
-        res = subprocess.run([str(knobs.nvidia.nvdisasm.path), "-c", str(f)],
-                             capture_output=True, text=True)
+    res = _run_on_cubin(Path(knobs.nvidia.nvdisasm.path), "-c", cubin)
     if res.returncode:
         raise RuntimeError(f"nvdisasm failed: {res.stderr[:200]}")
     lines = res.stdout.splitlines()

@@ -317,15 +317,20 @@ def triton_stand_ins(store: Any, records: Sequence[Winner], device_hash: str) ->
     source = get_backend("triton").source_hash()
     have = {r.shape.key for r in records if r.backend in EXPORTABLE
             and r.source_hash == source and r.device.hash == device_hash}
+    wanted = [r for r in records if r.backend not in EXPORTABLE and r.device_id is not None
+              and r.device.hash == device_hash and r.shape.page_size == 1
+              and r.shape.key not in have]
+    # One read of the Triton trials per (device, stack) those shapes were tuned under.
+    trials: dict[tuple[int, int | None], dict[str, list]] = {}
+    for stack in dict.fromkeys((r.device_id, r.software_id) for r in wanted):
+        by_shape = trials[stack] = {}
+        for t in store.trials(device_id=stack[0], software_id=stack[1], backend="triton",
+                              source_hash=source, status="ok"):
+            by_shape.setdefault(t.shape_key, []).append(t)
     out = []
-    for r in records:
-        if r.backend in EXPORTABLE or r.device.hash != device_hash or r.shape.page_size != 1 \
-                or r.shape.key in have or r.device_id is None:
-            continue
-        best = fastest_correct(store.trials(device_id=r.device_id, software_id=r.software_id,
-                                            shape_key=r.shape.key, backend="triton",
-                                            source_hash=source, status="ok"))
-        if best is None:
+    for r in wanted:
+        best = fastest_correct(trials[(r.device_id, r.software_id)].get(r.shape.key, []))
+        if best is None or r.shape.key in have:
             continue
         have.add(r.shape.key)
         out.append(replace(r, backend="triton", source_hash=source, config=dict(best.config),

@@ -257,10 +257,10 @@ class MLADecodeWrapper:
                                                       and ptr.is_contiguous()
                                                       and idx.is_contiguous()):
             return False
+        total = nnz * self.page_size  # pages: an upper bound on the tokens
         size = (batch, nnz)
         route = self._sized.get(size)
         if route is None:
-            total = nnz * self.page_size  # pages: an upper bound on the tokens
             q_tokens = batch * self.q_len
             hi = self._kv_class(-(-(total if total > q_tokens else q_tokens) // batch))[1]
             route = self._routes.get((batch, hi))
@@ -269,7 +269,6 @@ class MLADecodeWrapper:
             if len(self._sized) >= 4096:
                 self._sized.clear()
             self._sized[size] = route
-        total = nnz * self.page_size
         if self._direct:
             if route.captured and key not in route.captured:
                 return False

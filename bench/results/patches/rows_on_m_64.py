@@ -2,6 +2,36 @@
 import torch, triton, triton.language as tl
 
 @triton.jit
+def _tile(KV, dn, dr, kv_start, n0, hi, q, qr, offs_d, offs_r, limit, qk_scale, m_i, l_i, acc,
+          BLOCK_N: tl.constexpr, TMA: tl.constexpr, UPCAST: tl.constexpr):
+    """One KV tile of the online softmax; UPCAST: float32 products (the interpreter)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hi
+    if TMA:
+        k = dn.load([(kv_start + n0).to(tl.int32), 0])
+        kr = dr.load([(kv_start + n0).to(tl.int32), 512])
+    else:
+        kp = KV + (kv_start + offs_n).to(tl.int64)[:, None] * 576
+        k = tl.load(kp + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        kr = tl.load(kp + 512 + offs_r[None, :], mask=n_ok[:, None], other=0.0)
+    if UPCAST:
+        q, qr, k, kr = q.to(tl.float32), qr.to(tl.float32), k.to(tl.float32), kr.to(tl.float32)
+    s = tl.dot(q, tl.trans(k))
+    s = tl.dot(qr, tl.trans(kr), s)
+    s = s * qk_scale
+    s = tl.where(n_ok[None, :] & (offs_n[None, :] <= limit[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    pv = p.to(tl.bfloat16)
+    if UPCAST:
+        pv = pv.to(tl.float32)
+    acc = tl.dot(pv, k, acc)
+    return m_new, l_i, acc
+
+@triton.jit
 def rows64_kernel(Q, KV, OUT, PART_O, PART_LSE, KV_INDPTR, H, q_len, total_rows, n_splits, qk_scale,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr, INTERP: tl.constexpr = False):
     pid_m = tl.program_id(0)
@@ -27,6 +57,8 @@ def rows64_kernel(Q, KV, OUT, PART_O, PART_LSE, KV_INDPTR, H, q_len, total_rows,
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, 512], tl.float32)
+    dn = KV
+    dr = KV
     if TMA:
         end = (kv_start + hi).to(tl.int32)
         dn = tl.make_tensor_descriptor(KV, [end, 576], [576, 1], [BLOCK_N, 512])
@@ -34,49 +66,13 @@ def rows64_kernel(Q, KV, OUT, PART_O, PART_LSE, KV_INDPTR, H, q_len, total_rows,
     if INTERP:
         n0 = lo
         while n0 < hi:
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < hi
-            if TMA:
-                k = dn.load([(kv_start + n0).to(tl.int32), 0])
-                kr = dr.load([(kv_start + n0).to(tl.int32), 512])
-            else:
-                kp = KV + (kv_start + offs_n).to(tl.int64)[:, None] * 576
-                k = tl.load(kp + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-                kr = tl.load(kp + 512 + offs_r[None, :], mask=n_ok[:, None], other=0.0)
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
-            s = tl.dot(qr.to(tl.float32), tl.trans(kr.to(tl.float32)), s)
-            s = s * qk_scale
-            s = tl.where(n_ok[None, :] & (offs_n[None, :] <= limit[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(tl.bfloat16).to(tl.float32), k.to(tl.float32), acc)
-            m_i = m_new
+            m_i, l_i, acc = _tile(KV, dn, dr, kv_start, n0, hi, q, qr, offs_d, offs_r, limit, qk_scale, m_i, l_i, acc,
+                                  BLOCK_N, TMA, INTERP)
             n0 += BLOCK_N
     else:
         for n0 in range(lo, hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < hi
-            if TMA:
-                k = dn.load([(kv_start + n0).to(tl.int32), 0])
-                kr = dr.load([(kv_start + n0).to(tl.int32), 512])
-            else:
-                kp = KV + (kv_start + offs_n).to(tl.int64)[:, None] * 576
-                k = tl.load(kp + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-                kr = tl.load(kp + 512 + offs_r[None, :], mask=n_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k))
-            s = tl.dot(qr, tl.trans(kr), s)
-            s = s * qk_scale
-            s = tl.where(n_ok[None, :] & (offs_n[None, :] <= limit[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(tl.bfloat16), k, acc)
-            m_i = m_new
+            m_i, l_i, acc = _tile(KV, dn, dr, kv_start, n0, hi, q, qr, offs_d, offs_r, limit, qk_scale, m_i, l_i, acc,
+                                  BLOCK_N, TMA, INTERP)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if n_splits == 1:
