@@ -32,6 +32,7 @@ from mla_tune.runtime.routing_rules import (
     ROW_BLOCK_KNOB,
     TRANSFER_TRIES,
     format_rank,
+    library_preferred,
     nearest_distance,
     row_model_note,
     row_model_picks,
@@ -409,37 +410,39 @@ class RoutingTable:
         moved by the row model: block and splits re-derived, other knobs kept where the
         call's feasible candidates allow; a few alternatives, in case the first fails its
         precheck. Row-blocked variants (a `block_m` knob) move so; a library that plans
-        its own rows (`Backend.plans_own_rows`) serves a call with at least its source's
-        rows per sequence with its config as tuned (a library's lead over the row-blocked
-        kernels grows with the rows: on the H200, FlashInfer won most bf16 shapes of 64
-        or more rows and few of 16), the next source's moved variants after it (should
-        the library refuse the call); of other families nothing says how a config tuned
-        for other rows behaves."""
+        its own rows (`Backend.plans_own_rows`) may serve a call with at least its source's
+        rows per sequence with its config as tuned, the nearest such source, and comes
+        before the moved variants only where the tuned shapes around the call say the
+        library wins there (`library_preferred`); of other families nothing says how a
+        config tuned for other rows behaves."""
         rows = shape.q_len * shape.heads
         own = _shape_family(shape)
-        loaded, sources = [], []
+        loaded, sources, evidence = [], [], []
         for fam_key, winners in self._uniform.items():
             if (fam_key[0], fam_key[3]) != (shape.kv_format, shape.page_size):
                 continue
             for w in winners:
                 s = w.winner.shape
-                if ROW_BLOCK_KNOB not in w.config and (
-                        not self._plans_rows(w.winner.backend) or s.q_len * s.heads > rows):
+                library = ROW_BLOCK_KNOB not in w.config and self._plans_rows(w.winner.backend)
+                if library or ROW_BLOCK_KNOB in w.config:
+                    evidence.append((s.batch, s.kv_len, s.q_len * s.heads, library))
+                if not (ROW_BLOCK_KNOB in w.config or (library and s.q_len * s.heads <= rows)):
                     continue  # nothing says how its config behaves at these rows
                 loaded.append(w)
                 sources.append((s.batch, s.kv_len, s.q_len * s.heads, s.q_len, fam_key != own,
                                 (w.winner.backend, config_key(w.config))))
-        out: list[Decision] = []
+        blocked: list[Decision] = []
+        library: list[Decision] = []
         for i in transfer_order(shape.batch, shape.kv_len, rows, shape.q_len, sources):
             w, other = loaded[i], sources[i][4]
+            row_blocked = ROW_BLOCK_KNOB in w.config
+            if blocked if row_blocked else library:
+                continue
             fam = self._family(w.winner.backend)
             if isinstance(fam, str) or fam.backend.supports(shape) is not None:
                 continue
             moved = self._row_model(w.winner.backend, fam, shape, w, TRANSFER_TRIES) \
-                if ROW_BLOCK_KNOB in w.config else self._as_tuned(w.winner.backend, fam,
-                                                                   shape, w.config)
-            if not moved:
-                continue
+                if row_blocked else self._as_tuned(w.winner.backend, fam, shape, w.config)
             s = w.winner.shape
             dist = transfer_distance(shape.batch, shape.kv_len, rows, shape.q_len, s.batch,
                                      s.kv_len, s.q_len * s.heads, s.q_len)
@@ -448,13 +451,15 @@ class RoutingTable:
                     else "no winner here; nearest tuned shape")
             head = (f"{what} {s.label()} (distance {dist[0]:.2f} over log batch, kv, "
                     f"rows; {w.winner.median_us:.1f} us there)")
-            out += [Decision(shape, w.winner.backend, config,
-                             "transfer" if other else "nearest",
-                             f"{head}; {note}; {trust[1]}", w.winner.median_us, s)
-                    for config, trust, note in moved]
-            if ROW_BLOCK_KNOB in w.config:
-                break  # a library's config as tuned is followed by the nearest moved one
-        return out
+            (blocked if row_blocked else library).extend(
+                Decision(shape, w.winner.backend, config, "transfer" if other else "nearest",
+                         f"{head}; {note}; {trust[1]}", w.winner.median_us, s)
+                for config, trust, note in moved)
+            if blocked and library:
+                break
+        if library and library_preferred(shape.batch, shape.kv_len, rows, evidence):
+            return library + blocked
+        return blocked + library
 
     def _plans_rows(self, name: str) -> bool:
         """Whether backend `name` runs here and plans its own rows (Backend.plans_own_rows)."""

@@ -244,6 +244,27 @@ def transfer_order(batch: int, kv_len: int, rows: int, q_len: int, sources: list
     return [x[3] for x in keyed]
 
 
+def library_preferred(batch: int, kv_len: int, rows: int, evidence: list) -> bool:
+    """Whether a call without a winner should go to a library that plans its own rows
+    rather than to a row-blocked family, from which family won the tuned shapes around it:
+    `evidence[i]` is (batch, kv length, rows, won by such a library). A library's lead over
+    the row-blocked kernels grows with batch, KV length and rows (on the H200 FlashInfer won
+    most bf16 shapes with 64 or more rows at kv 8192 and few small ones), so a library win
+    at a shape the call covers in all three (no larger in any) says the library wins here
+    too, and a row-blocked win at a shape covering the call says the opposite; other wins
+    say nothing. Each weighs exp(-distance) over (log batch, log kv, log rows): one noisy
+    neighbour (small shapes, where the library's host-side cost varies 1.3-2x between runs)
+    cannot outvote the shapes around it. Ties go to the row-blocked family."""
+    votes = [0.0, 0.0]
+    for b, kv, r, library in evidence:
+        covered = b <= batch and kv <= kv_len and r <= rows
+        covering = b >= batch and kv >= kv_len and r >= rows
+        if (library and covered) or (not library and covering):
+            d = transfer_distance(batch, kv_len, rows, 1, b, kv, r, 1)[0]
+            votes[bool(library)] += math.exp(-d)
+    return votes[1] > votes[0]
+
+
 def tuned_route_order(as_tuned: list, moved: list) -> list:
     """Where a call without its own winner goes, in order: a tuned variant of its family
     verified at this very shape (as tuned), the nearest tuned shape's variant moved by the

@@ -784,6 +784,36 @@ def test_a_library_planning_its_own_rows_serves_another_family_as_tuned(standin,
     assert all(x.backend == "triton" for x in d.decisions(Q4H32) if x.reason == "transfer")
 
 
+def test_one_library_win_among_row_blocked_wins_around_the_call_does_not_route_it(standin):
+    """A library won one neighbour of the call (as noisy small shapes let it), the
+    row-blocked family the shapes covering the call: the moved Triton variant comes first,
+    the library's config after it. Where the library also won a covering shape's smaller
+    neighbours, it comes first."""
+    register("rowplanner", "tests.runtime.test_dispatcher:RowPlanner")
+    lib = get_backend("rowplanner")
+    lib_cfg = {"num_splits": 4, "chunk_size": 0, "compute_dtype": "float32"}
+    call = Shape.uniform(2, 256, heads=32)  # 32 rows
+
+    def library(shape):
+        return Winner(current_device("cpu"), current_software(), shape, "rowplanner",
+                      lib.source_hash(), dict(lib_cfg), 9.0)
+
+    noisy = library(Shape.uniform(2, 256, q_len=2, heads=16))  # 32 rows, the call's twin
+    covering = [_triton_winner(s, SWEPT_Q1H16, 20.0) for s in (
+        Shape.uniform(2, 256, heads=64), Shape.uniform(2, 256, q_len=4, heads=16),
+        Shape.uniform(4, 256, heads=32))]
+    chain = _as_h200(Dispatcher([noisy, *covering], "cpu", kv_format="bf16")).decisions(call)
+    assert chain[0].backend == "triton" and chain[0].reason == "transfer"
+    assert [x.config for x in chain if x.backend == "rowplanner"] == [lib_cfg]
+    # The library also won below the call: its wins now outweigh the covering ones.
+    below = [library(s) for s in (Shape.uniform(2, 256), Shape.uniform(1, 256, heads=32),
+                                  Shape.uniform(2, 128, heads=32))]
+    chain = _as_h200(Dispatcher([noisy, *below, *covering], "cpu",
+                                kv_format="bf16")).decisions(call)
+    assert (chain[0].backend, chain[0].config) == ("rowplanner", lib_cfg)
+    assert chain[1].backend == "triton"
+
+
 def test_a_transfer_never_runs_a_variant_stored_wrong_at_the_call(standin):
     near = Shape.uniform(2, 256)
     table = [_triton_winner(near, SWEPT_Q1H16, 12.0)]

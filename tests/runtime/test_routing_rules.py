@@ -17,6 +17,7 @@ from mla_tune.runtime.routing_rules import (
     auto_split_count,
     distinct_variants,
     format_rank,
+    library_preferred,
     model_knobs,
     model_ranking,
     occupancy_splits,
@@ -163,6 +164,20 @@ def test_the_nearest_family_shares_the_rows_then_the_q_len() -> None:
     # Batch and kv length count as before: a closer shape of a farther family can win.
     assert transfer_distance(*call, 32, 8192, 64, 4) < transfer_distance(*call, 4, 1024,
                                                                          128, 2)
+
+
+def test_only_wins_that_bound_the_call_vote_and_near_ones_weigh_more() -> None:
+    call = (32, 1024, 64)
+    # A library win at a shape the call covers says the library wins here ...
+    assert library_preferred(*call, [(32, 1024, 32, True)])
+    # ... one at a larger shape says nothing (its lead grows with the work).
+    assert not library_preferred(*call, [(32, 8192, 64, True)])
+    # A row-blocked win at a covering shape outweighs a farther library win below.
+    assert not library_preferred(*call, [(4, 1024, 64, True), (32, 1024, 128, False)])
+    assert library_preferred(*call, [(32, 1024, 64, True), (32, 8192, 128, False)])
+    # A row-blocked win below the call says nothing; ties go to the row-blocked family.
+    assert not library_preferred(*call, [(4, 1024, 16, False)])
+    assert not library_preferred(*call, [(32, 1024, 64, True), (32, 1024, 64, False)])
 
 
 def test_formats_rank_exact_then_nearest_then_transfer_then_untuned() -> None:
