@@ -49,7 +49,7 @@ def sweep(
     pin: list[str] = typer.Option([], "--pin", help="Narrow a knob: BACKEND.KNOB=V1[,V2...], e.g. triton.num_splits=1,4 (repeatable)."),
     no_compile_ahead: bool = typer.Option(False, "--no-compile-ahead", help="Skip the compile stage (each GPU worker then compiles the kernels it meets)."),
     retry: list[str] = typer.Option([], "--retry", help="Measure again the stored trials with this outcome: failed, timeout or wrong (repeatable), e.g. after a transient out-of-memory."),
-    runoff: int = typer.Option(3, "--runoff", min=0, help="Time each shape's fastest K variants (and each other backend's fastest) again side by side, in turn; each keeps the better of its two timings. 0 or 1 keeps the first times."),
+    runoff: int = typer.Option(3, "--runoff", min=0, help="Time each shape's fastest K variants (and each other backend's fastest) again side by side, in turn; each keeps the better of its two timings. A shape swept in several KV formats runs off the finalists of every format together, so the format a call runs in is chosen from times of one moment. 0 or 1 keeps the first times."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the candidates per shape and backend (and why a backend is skipped), then stop: nothing is run or stored."),
 ) -> None:
     """Tune shapes: enumerate variants, verify each against the reference, time it, store it.

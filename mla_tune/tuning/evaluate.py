@@ -104,13 +104,34 @@ def evaluate_side_by_side(candidates: Sequence[tuple[Backend, Mapping[str, Any]]
     """Build and verify several variants of one shape, then time the correct ones in turn
     (`Timer.measure_interleaved`), so they share the device's slow and fast moments. One
     outcome per candidate, in order; never raises."""
+    return evaluate_together([Contender(b, c, shape, ref, tol) for b, c in candidates],
+                             device, data, timer)
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One variant of a side-by-side run, with the shape it is built for and what its output
+    is checked against (variants of several KV formats of one call share one task input)."""
+
+    backend: Backend
+    config: Mapping[str, Any]
+    shape: Shape
+    ref: torch.Tensor
+    tol: Tolerance
+
+
+def evaluate_together(contenders: Sequence[Contender], device: torch.device, data: TaskInput,
+                      timer: Timer) -> list[TrialOutcome]:
+    """`evaluate_side_by_side` for variants that may be built for different shapes of one
+    task input (each KV format of a call): one outcome per contender; never raises."""
     device = torch.device(device)
     outcomes: list[TrialOutcome] = []
     fns: list[tuple[int, KernelFn]] = []
-    for i, (backend, config) in enumerate(candidates):
+    for i, c in enumerate(contenders):
         phases, lap = _laps()
         try:
-            fn, outcome = _build_verified(backend, shape, config, device, data, ref, tol, lap)
+            fn, outcome = _build_verified(c.backend, c.shape, c.config, device, data, c.ref,
+                                          c.tol, lap)
         except Exception as exc:  # noqa: BLE001 - any variant failure is data, not a crash
             fn, outcome = None, TrialOutcome("failed", error=_error_text(exc))
         outcomes.append(replace(outcome, phases=phases))

@@ -1,6 +1,8 @@
 """The sweep: for each shape, every available backend's candidates are built, verified
 against the float32 reference, timed, and stored; then the shape's finalists are timed
-again side by side (`mla_tune.tuning.runoff`) and the shape's winner is updated.
+again side by side (`mla_tune.tuning.runoff`) and the shape's winner is updated. The
+shapes of one call in several KV formats run off together (the dispatcher picks a call's
+format from its winners' times).
 
 Candidates run in worker processes (`mla_tune.tuning.workers`), one per device slot, never in
 this process: a variant that crashes, hangs or exhausts memory costs one recorded trial,
@@ -38,7 +40,7 @@ from mla_tune.machine.fingerprint import (
     SoftwareFingerprint,
     current_software,
 )
-from mla_tune.problem.shapes import Shape
+from mla_tune.problem.shapes import KVFormat, Shape
 from mla_tune.results.selection import update_winner
 from mla_tune.results.winner import Winner
 from mla_tune.tuning.compile_ahead import CompileStage, CompileSummary
@@ -64,6 +66,8 @@ from mla_tune.tuning.workers import (
 )
 
 log = logging.getLogger(__name__)
+FORMAT_KEY = KVFormat.BF16
+"""The format a shape is keyed in to find the other formats of its call."""
 BASELINE_BACKENDS = ("flashinfer", "aiter", "torch")
 # How often an idle sweep looks again for candidates other sweeps hold.
 _POLL_S = 1.0
@@ -182,13 +186,16 @@ class _ShapeRun:
     groups: list[_Group]
     result: ShapeResult | None = None
     runoff_pending: bool = False  # its finalists are queued for, or in, a run-off
+    ready: bool = False  # every candidate stored and the first winner picked
+    winner: Winner | None = None  # that first winner
 
 
 @dataclass
 class _Runoff:
-    """A shape's finalists waiting for (or on) a worker to time them side by side."""
+    """The finalists of a call's shapes (one per KV format the sweep tunes it in) waiting
+    for (or on) a worker to time them side by side."""
 
-    run: _ShapeRun
+    runs: list[_ShapeRun]
     trials: list[TrialRow]
 
 
@@ -309,10 +316,12 @@ class _Sweep:
 
     def _submit_runoff(self, slot: int, task: _Runoff) -> None:
         cands = tuple((t.backend, t.config) for t in task.trials)
-        self.pool.submit(slot, RunoffJob(task.run.shape.to_json(), cands),
+        shape = task.runs[0].shape
+        formats = tuple(t.kv_format for t in task.trials) if len(task.runs) > 1 else ()
+        self.pool.submit(slot, RunoffJob(shape.to_json(), cands, formats),
                          self.options.candidate_timeout_s * len(cands))
         self.out[slot] = task
-        self.holds[slot] = task.run.shape.key
+        self.holds[slot] = shape.key
 
     def _next_job(self, slot: int) -> tuple[_Group, dict[str, Any]] | None:
         """A claimed candidate for `slot`: of the shape it holds inputs for, else of an
@@ -470,21 +479,55 @@ class _Sweep:
         """Store the shape's winner once every candidate of it is stored (by any sweep),
         then queue its finalists' side-by-side run-off, which picks the final winner. The
         first winner is stored before that, so a sweep stopped during the run-off leaves
-        one."""
+        one. A call the sweep tunes in several KV formats waits for all of them and runs
+        off the finalists of every format together: the dispatcher picks a call's format
+        from its winners' times, which then come from one moment of the device."""
         if (run.result is not None or run.runoff_pending
                 or not all(g.done for g in run.groups)):
             return
-        winner = update_winner(self.store, self.device_id, self.software_id, run.shape.key,
-                               self.sources)
-        trials = [t for g in run.groups for t in self.store.trials(
+        if not run.ready:
+            run.winner = update_winner(self.store, self.device_id, self.software_id,
+                                       run.shape.key, self.sources)
+            run.ready = True
+        runs = self._call_runs(run)
+        if runs is None:
+            return  # another format of this call is still being tuned
+        trials = {id(r): self._trials(r) for r in runs}
+        chosen = [t for r in runs for t in self._finalists(trials[id(r)], len(runs) > 1)]
+        if len(chosen) >= 2 and not timed_together(chosen):
+            for r in runs:
+                r.runoff_pending = True
+            self.runoffs.append(_Runoff(runs, chosen))
+            return
+        for r in runs:
+            self._finish(r, r.winner, timed_with(trials[id(r)], None if r.winner is None
+                                                 else r.winner.trial_id))
+
+    def _call_runs(self, run: _ShapeRun) -> list[_ShapeRun] | None:
+        """The runs of `run`'s call in each KV format the sweep tunes it in (`run` alone
+        when it is the only one, or when run-offs are off), None while any is not ready."""
+        if self.options.runoff < 2:
+            return [run]
+        call = run.shape.with_format(FORMAT_KEY).key
+        keys = {s.key for s in self.shapes if s.with_format(FORMAT_KEY).key == call}
+        runs = [r for r in self.runs if r.shape.key in keys]
+        if len(runs) < len(keys) or not all(r.ready and r.result is None for r in runs):
+            return None
+        return runs
+
+    def _trials(self, run: _ShapeRun) -> list[TrialRow]:
+        return [t for g in run.groups for t in self.store.trials(
             device_id=self.device_id, software_id=self.software_id, shape_key=run.shape.key,
             backend=g.backend.name, source_hash=g.key.source_hash)]
+
+    def _finalists(self, trials: list[TrialRow], with_formats: bool) -> list[TrialRow]:
+        """A shape's finalists (`runoff.finalists`); with other formats of its call beside
+        it, a shape with a single correct trial sends that one (its format's winner)."""
         chosen = finalists(trials, self.options.runoff)
-        if chosen and not timed_together(chosen):
-            run.runoff_pending = True
-            self.runoffs.append(_Runoff(run, chosen))
-            return
-        self._finish(run, winner, timed_with(trials, None if winner is None else winner.trial_id))
+        if chosen or not with_formats:
+            return chosen
+        ok = [t for t in trials if t.status == "ok" and t.median_us is not None]
+        return [min(ok, key=lambda t: (t.median_us, t.id))] if ok else []
 
     def _finish(self, run: _ShapeRun, winner: Winner | None, side_by_side: int) -> None:
         run.result = ShapeResult(run.shape, winner, run.summaries, side_by_side)
@@ -492,17 +535,17 @@ class _Sweep:
             self.observer.shape_done(run.result)
 
     def _runoff_done(self, task: _Runoff, outcomes: Sequence[TrialOutcome]) -> None:
-        """Store the finalists' side-by-side times and update the winner. A finalist
+        """Store the finalists' side-by-side times and update the winners. A finalist
         that is wrong this time is stored as wrong, so it never wins; when none was timed
         (the worker died), the first times stand."""
         timed = {t.id: o.stats.to_dict() for t, o in zip(task.trials, outcomes)
                  if o.status == "ok" and o.stats is not None}
+        where = task.runs[0].shape.key
         try:
             for t, o in zip(task.trials, outcomes):
                 if o.status != "ok":
                     log.warning("%s: finalist %s %s was %s when timed again: %s",
-                                task.run.shape.key, t.backend, t.config_key, o.status,
-                                o.error)
+                                t.shape_key, t.backend, t.config_key, o.status, o.error)
                 if o.status == "wrong":  # not reliably correct: never a winner
                     self.store.mark_wrong(t.id, f"wrong when built again to be timed side "
                                                 f"by side: {o.error}", o.max_abs_err,
@@ -510,12 +553,14 @@ class _Sweep:
             if timed:
                 self.store.record_remeasure(timed)
         except ValueError as exc:  # another sweep changed these trials meanwhile
-            log.warning("%s: side-by-side times not stored: %s", task.run.shape.key, exc)
+            log.warning("%s: side-by-side times not stored: %s", where, exc)
             timed = {}
-        winner = update_winner(self.store, self.device_id, self.software_id,
-                               task.run.shape.key, self.sources)
-        task.run.runoff_pending = False
-        self._finish(task.run, winner, len(timed))
+        for run in task.runs:
+            winner = update_winner(self.store, self.device_id, self.software_id,
+                                   run.shape.key, self.sources)
+            run.runoff_pending = False
+            self._finish(run, winner, sum(1 for t in task.trials
+                                          if t.id in timed and t.shape_key == run.shape.key))
 
     def _handle(self, done: Done, job: tuple[_Group, dict[str, Any]] | _Runoff | None) -> None:
         """Store a finished job: `job` is the group and config the slot was running, or the

@@ -34,13 +34,14 @@ import torch
 from mla_tune.backends import get_backend, register
 from mla_tune.machine.fingerprint import DeviceFingerprint, current_device
 from mla_tune.problem.reference import mla_decode_reference
-from mla_tune.problem.shapes import Shape, TaskInput, generate_input
+from mla_tune.problem.shapes import KVFormat, Shape, TaskInput, generate_input
 from mla_tune.problem.verify import Tolerance, tolerance_for
 from mla_tune.tuning.evaluate import (
     MAX_ERROR_CHARS,
+    Contender,
     TrialOutcome,
     evaluate,
-    evaluate_side_by_side,
+    evaluate_together,
 )
 from mla_tune.tuning.timing import Timer, TimingPolicy, make_timer
 
@@ -142,21 +143,32 @@ class TrialJob:
 @dataclass(frozen=True)
 class RunoffJob:
     """Time a shape's finalists again side by side (mla_tune.tuning.runoff): each is built and
-    verified, then all correct ones are timed in turn (`evaluate_side_by_side`)."""
+    verified, then all correct ones are timed in turn (`evaluate_side_by_side`). With
+    `formats` (one KV format per candidate), candidate i is built for the shape in format
+    i and checked against that format's reference: the winners of a call's formats timed
+    on one input, as the dispatcher's format choice compares them."""
 
     shape: dict[str, Any]
     candidates: tuple[tuple[str, dict[str, Any]], ...]  # (backend, config) each
+    formats: tuple[str, ...] = ()
 
     def run(self, ctx: WorkerContext) -> list[TrialOutcome]:
         shape = Shape.from_json(self.shape)
         try:
             data, ref, tol = ctx.inputs(shape)
             backends = [(get_backend(name), config) for name, config in self.candidates]
+            checks = {shape.kv_format.value: (ref, tol)}
+            for f in self.formats:
+                if f not in checks:
+                    checks[f] = (mla_decode_reference(*data, kv_format=f),
+                                 tolerance_for(KVFormat.parse(f)))
         except Exception as exc:  # noqa: BLE001 - the sweep keeps the first times
             return self.lost("failed", f"could not prepare the finalists: "
                                        f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
-        outcomes = evaluate_side_by_side(backends, shape, ctx.device, data, ref, tol,
-                                         ctx.timer)
+        formats = self.formats or (shape.kv_format.value,) * len(backends)
+        outcomes = evaluate_together(
+            [Contender(b, c, shape.with_format(f), *checks[f])
+             for (b, c), f in zip(backends, formats)], ctx.device, data, ctx.timer)
         if any(o.status == "failed" for o in outcomes):
             ctx.free_memory()
         return outcomes

@@ -290,6 +290,37 @@ def test_runoff_picks_the_winner_from_finalists_timed_side_by_side(store):
         t.remeasured_at for t in ok.values()]
 
 
+def test_the_formats_of_one_call_run_off_together_once(store):
+    """The winners the dispatcher's format choice compares are timed in one run: each
+    format's finalists, built for that format and checked against its own reference."""
+    call = Shape.uniform(2, 8)
+    shapes = [call, call.with_format("fp8")]
+    toy = get_backend("toy")
+    pins = {"toy": {"mode": ["ok"]}}
+    run_sweep(shapes, [toy], store,
+              SweepOptions(policy=FAST, baselines=False, pins=pins, runoff=0))
+    # First times from other moments: fp8's slowest variant looks the fastest of all.
+    _set_medians(store, shapes[0], {0: 1002.0, 2: 1003.0, 4: 1004.0})
+    _set_medians(store, shapes[1], {0: 1001.0, 2: 1001.5, 4: 1000.0})
+    results = run_sweep(shapes, [toy], store,
+                        SweepOptions(policy=FAST, baselines=False, pins=pins))
+    ok = [t for t in store.trials() if t.status == "ok"]
+    assert len(ok) == 6 and {t.kv_format for t in ok} == {"bf16", "fp8"}
+    assert len({t.remeasured_at for t in ok}) == 1 and ok[0].remeasured_at is not None
+    assert [r.side_by_side for r in results] == [3, 3]
+    assert [r.winner.config["delay_ms"] for r in results] == [0, 0]
+    assert all(r.winner.median_us < 1000 for r in results)
+    # Timed together already: the same sweep again times nothing.
+    again = run_sweep(shapes, [toy], store, SweepOptions(policy=FAST, baselines=False, pins=pins))
+    assert [t.remeasured_at for t in store.trials() if t.status == "ok"] == [
+        t.remeasured_at for t in ok]
+    assert [r.winner.trial_id for r in again] == [r.winner.trial_id for r in results]
+    # One format alone is run off on its own, as before.
+    (alone,) = run_sweep([shapes[1]], [toy], store,
+                         SweepOptions(policy=FAST, baselines=False, pins=pins))
+    assert alone.side_by_side == 3
+
+
 def test_a_finalist_wrong_when_timed_again_cannot_win(store, tmp_path, monkeypatch):
     from tests.fixtures.toy_backends import FLAKY_ENV
 

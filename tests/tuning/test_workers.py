@@ -16,3 +16,19 @@ def test_warm_up_makes_the_first_shapes_input_and_survives_bad_backends():
     assert ctx.shape_key == shape.key
     _, ref, _ = ctx.inputs(shape)
     assert ref.shape == (2, 16, 512) and ref.dtype == torch.float32
+
+
+def test_a_runoff_across_formats_builds_and_checks_each_candidate_in_its_own_format():
+    from mla_tune.backends import register
+    from mla_tune.tuning.workers import RunoffJob
+
+    register("formatbound", "tests.fixtures.toy_backends:FormatBoundBackend")
+    ctx = WorkerContext("cpu", TimingPolicy(warmup=1, min_runs=3, max_runs=3), seed=0)
+    shape = Shape.uniform(2, 16)
+    cands = tuple(("formatbound", {"kv": f}) for f in ("bf16", "fp8", "mxfp4"))
+    together = RunoffJob(shape.to_json(), cands, ("bf16", "fp8", "mxfp4")).run(ctx)
+    assert [o.status for o in together] == ["ok", "ok", "ok"]
+    assert all(o.stats is not None and o.max_abs_err is not None for o in together)
+    # Without the formats every candidate is built for the job's own shape (bf16).
+    alone = RunoffJob(shape.to_json(), cands).run(ctx)
+    assert [o.status for o in alone] == ["ok", "failed", "failed"]
