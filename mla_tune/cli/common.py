@@ -100,7 +100,10 @@ def open_store(db: str | None, *, read_only: bool = False) -> Any:
 
 def tuning_shapes(shape: list[str], suite: str | None, formats: list[KVFormat], heads: int,
             q_len: int, page_size: int, ragged: str | None = None,
-            ragged_seed: int = 0) -> list[Shape]:
+            ragged_seed: int = 0, suite_formats: bool = True) -> list[Shape]:
+    """The shapes of `--shape` (each in every one of `formats`) and of `--suite` (in
+    `formats` when `suite_formats`, i.e. the user named them, else in those the suite
+    declares)."""
     from mla_tune.problem.shapes import RaggedLengths, parse_ragged_shape
     from mla_tune.problem.suites import UnknownSuiteError, suite_shapes
 
@@ -118,7 +121,7 @@ def tuning_shapes(shape: list[str], suite: str | None, formats: list[KVFormat], 
                     shapes.append(parse_shape(text, q_len=q_len, heads=heads, kv_format=fmt,
                                               page_size=page_size))
         if suite:
-            shapes += suite_shapes(suite, formats if formats != list(KVFormat) else None)
+            shapes += suite_shapes(suite, formats if suite_formats else None)
     except (ShapeError, UnknownSuiteError) as exc:
         fail(str(exc))
     if not shapes:

@@ -29,7 +29,7 @@ from mla_tune.tuning.devices import default_device
 def sweep(
     shape: list[str] = typer.Option([], "--shape", "-s", help="BATCHxKV, e.g. 256x8192 (repeatable)."),
     suite: str | None = typer.Option(None, help="A shape suite from configs/suites.toml."),
-    kv_format: list[str] = typer.Option(["all"], "--kv-format", "-f", help="bf16, fp8, mxfp4 or all."),
+    kv_format: list[str] = typer.Option([], "--kv-format", "-f", help="bf16, fp8, mxfp4 or all (repeatable). Default: all for --shape, the formats a --suite declares for its shapes (bf16 where it names none)."),
     heads: int = typer.Option(16, min=1, max=128, help="Query heads per KV head, 1-128 (DeepSeek-V3's 128 split by tensor parallelism: 16, 32, 64, 128); a backend that cannot run a count says so."),
     q_len: int = typer.Option(1, "--q-len", help="Query tokens per sequence (1-4)."),
     page_size: int = typer.Option(1, "--page-size", help="KV page size of the shape."),
@@ -71,7 +71,8 @@ def sweep(
     from mla_tune.tuning.timing import TimingPolicy
 
     formats = parse_formats(kv_format)
-    shapes = tuning_shapes(shape, suite, formats, heads, q_len, page_size, ragged, ragged_seed)
+    shapes = tuning_shapes(shape, suite, formats, heads, q_len, page_size, ragged, ragged_seed,
+                           suite_formats=bool(kv_format))
     retry_statuses = tuple(dict.fromkeys(retry))
     if set(retry_statuses) - {"failed", "timeout", "wrong"}:
         fail(f"--retry takes failed, timeout or wrong (a trial's outcome), got "

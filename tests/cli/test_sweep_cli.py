@@ -102,6 +102,21 @@ def test_dry_run_lists_candidates_and_stores_nothing(tmp_path):
     assert not db.exists()
 
 
+def test_a_suite_runs_in_its_own_formats_unless_the_formats_are_named(tmp_path):
+    """leaderboard-v2 names no format (bf16); `-f all` sweeps it in all three, so the
+    formats of each call can run off together."""
+    def planned(*formats):
+        r = runner.invoke(app, ["sweep", "--db", str(tmp_path / "t.db"), "--device", "cpu",
+                                "--suite", "leaderboard-v2", "--backend", "torch",
+                                "--dry-run", *formats], env={"COLUMNS": "250"})
+        assert r.exit_code == 0, r.output
+        return {f for f in ("bf16", "fp8", "mxfp4") if f"4x8192 {f} h32 q4" in r.stdout}
+
+    assert planned() == {"bf16"}
+    assert planned("-f", "all") == {"bf16", "fp8", "mxfp4"}
+    assert planned("-f", "fp8") == {"fp8"}
+
+
 def test_non_sqlite_and_unreadable_db_are_refused(tmp_path):
     bogus = tmp_path / "notes.db"
     bogus.write_text("this is not a database\n")
