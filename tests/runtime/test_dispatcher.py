@@ -843,12 +843,12 @@ def test_the_heuristic_covers_the_rows_with_the_occupancy_models_splits(standin)
 
 
 def test_the_nearest_variant_in_the_family_gets_the_models_split_count_first(standin):
-    tuned = Shape.uniform(32, 1024)  # 4 splits: 128 programs, one wave of the H200
+    tuned = Shape.uniform(64, 1024)  # 4 splits: 256 programs, two waves of the H200
     d = _as_h200(Dispatcher([_triton_winner(tuned, SWEPT_Q1H16, 25.0)], "cpu",
                             kv_format="bf16"))
-    call = Shape.uniform(4, 1024)  # 8x fewer sequences: the model wants more splits
+    call = Shape.uniform(4, 1024)  # 16x fewer sequences: the model wants more splits
     chain = [x for x in d.decisions(call) if x.reason == "nearest"]
-    _, want = model_knobs(4, 16, 1024, 132, {16}, (SWEPT_Q1H16, 32, 16, 1024), max_splits=32)
+    _, want = model_knobs(4, 16, 1024, 132, {16}, (SWEPT_Q1H16, 64, 16, 1024), max_splits=32)
     assert want > 4 * 4
     assert chain[0].config == dict(SWEPT_Q1H16, num_splits=32)
     assert chain[0].tuned_shape == tuned and "row model" in chain[0].detail
@@ -861,7 +861,7 @@ def test_a_neighbouring_family_at_the_calls_size_beats_its_own_family_far_away(s
     # The call's family is tuned 8x away in batch only; a family with twice the heads is
     # tuned at the call's own batch and KV length: its variant moves first.
     far, beside = Shape.uniform(32, 1024), Shape.uniform(4, 1024, heads=32)
-    wide = dict(SWEPT_Q1H16, num_splits=4)
+    wide = dict(SWEPT_Q1H16, num_splits=8)
     d = _as_h200(Dispatcher([_triton_winner(far, SWEPT_Q1H16, 25.0),
                              _triton_winner(beside, wide, 15.0)], "cpu", kv_format="bf16"))
     chain = d.decisions(Shape.uniform(4, 1024))

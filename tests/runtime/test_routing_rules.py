@@ -108,6 +108,21 @@ def test_a_tuned_split_count_calibrates_the_model() -> None:
     assert split_gap(0, 4.0) == math.inf and split_gap(4, 4.0) == 0
 
 
+def test_a_split_count_under_one_wave_is_kept_while_the_call_stays_under_one() -> None:
+    """16 splits won at 4x8192 (64 programs) and at 8x8192 (128); the model's trend from 4
+    to 8 sequences halves its count, which cost 1.6x at 8x8192 bf16 on the H200."""
+    source = (dict(Q1H16, num_splits=16), 4, 16, 8192)
+    trend = 16 * occupancy_splits(8, 16, 8192, H200_SMS) / occupancy_splits(
+        4, 16, 8192, H200_SMS, max_splits=32)
+    assert trend == 8
+    assert model_knobs(8, 16, 8192, H200_SMS, {16}, source, max_splits=32) == (16, 16.0)
+    assert model_knobs(2, 16, 8192, H200_SMS, {16}, source, max_splits=32) == (16, 16.0)
+    # 16 sequences at 16 splits are two waves: occupancy decides again.
+    _, want = model_knobs(16, 16, 8192, H200_SMS, {16}, source, max_splits=32)
+    assert want == pytest.approx(16 * occupancy_splits(16, 16, 8192, H200_SMS, max_splits=32)
+                                 / occupancy_splits(4, 16, 8192, H200_SMS, max_splits=32))
+
+
 def test_automatic_splits_are_two_waves_within_one_split_per_tile() -> None:
     assert auto_split_count(32, 16, 8192, 16, 64, H200_SMS) == 9  # 32 programs: 264 / 32
     assert auto_split_count(4, 128, 8192, 32, 64, H200_SMS) == 17  # 16 programs
