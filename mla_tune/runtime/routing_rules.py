@@ -149,9 +149,10 @@ def model_knobs(batch: int, rows: int, kv_len: int, units: int, block_ms: list |
     config, batch, rows, kv length). Its split count (automatic ones as the kernel resolves
     them there) is scaled by how the occupancy model's count moves from the source shape to
     the call: the model's trend, calibrated by a measurement. A count whose programs fill
-    less than one wave at the source and at the call is kept: the tuner chose it for what
-    each split costs, which the model's wave count does not see (on the H200, 16 splits
-    won at 4x8192 and 8x8192 bf16 16 heads, where the model's trend halved them). The
+    at most half a wave at the source is kept while they stay under one wave at the call:
+    the tuner chose it for what each split costs, which the model's wave count does not
+    see (on the H200, 16 splits won at 4x8192 and 8x8192 bf16 16 heads, where the model's
+    trend halved them; a count filling a wave, 2 at 64x1024, follows the trend). The
     target may be fractional (`model_ranking` takes the nearest candidate in log2)."""
     def model(b: int, r: int, kv: int, bm: int) -> int:
         return occupancy_splits(b, r, kv, units, rows_per_block=bm, max_splits=max_splits)
@@ -164,8 +165,9 @@ def model_knobs(batch: int, rows: int, kv_len: int, units: int, block_ms: list |
     bm = row_block(rows, block_ms, s_rows, s_bm)
     s_splits = int(config.get("num_splits", 1)) or auto_split_count(
         s_batch, s_rows, s_kv, s_bm, int(config.get("block_n", 64)), units)
-    if max(s_batch * -(-s_rows // s_bm), batch * -(-rows // bm)) * s_splits <= units:
-        return bm, float(s_splits)  # under one wave at both: not an occupancy choice
+    if (2 * s_batch * -(-s_rows // s_bm) * s_splits <= units
+            and batch * -(-rows // bm) * s_splits <= units):
+        return bm, float(s_splits)  # half a wave there, under one here: not for occupancy
     return bm, s_splits * model(batch, rows, kv_len, bm) / model(s_batch, s_rows, s_kv, s_bm)
 
 

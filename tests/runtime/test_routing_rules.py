@@ -117,6 +117,12 @@ def test_a_split_count_under_one_wave_is_kept_while_the_call_stays_under_one() -
     assert trend == 8
     assert model_knobs(8, 16, 8192, H200_SMS, {16}, source, max_splits=32) == (16, 16.0)
     assert model_knobs(2, 16, 8192, H200_SMS, {16}, source, max_splits=32) == (16, 16.0)
+    # A count that filled a wave where it was tuned was an occupancy choice: the trend.
+    full = (dict(Q1H16, num_splits=2), 64, 16, 1024)
+    _, want = model_knobs(32, 16, 1024, H200_SMS, {16}, full, max_splits=32)
+    assert want == pytest.approx(2 * occupancy_splits(32, 16, 1024, H200_SMS, max_splits=32)
+                                 / occupancy_splits(64, 16, 1024, H200_SMS, max_splits=32))
+    assert want > 2
     # 16 sequences at 16 splits are two waves: occupancy decides again.
     _, want = model_knobs(16, 16, 8192, H200_SMS, {16}, source, max_splits=32)
     assert want == pytest.approx(16 * occupancy_splits(16, 16, 8192, H200_SMS, max_splits=32)
