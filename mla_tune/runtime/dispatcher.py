@@ -31,7 +31,9 @@ num_heads)` from the task's `config`, so no indptr is read and nothing synchroni
    the largest block the call's q_len x heads rows fill (kept, or capped, by the tuned
    shape's own choice), the split count the occupancy model's for this call scaled by the
    tuned shape's measured count over the model's there; every other knob as tuned where
-   the call's feasible candidates allow (up to `TRANSFER_TRIES` variants, best first). A
+   the call's feasible candidates allow (up to `TRANSFER_TRIES` variants, best first); a
+   library that plans its own rows serves the call with its config as tuned, before the
+   moved variants where the wins around the call favour it (`library_preferred`). A
    variant of the call's family verified at this very shape comes first, as tuned;
 3. then the nearest tuned shape of the call's family (format, heads, q_len, page size) by
    distance over (log batch, log kv length), ties to the smaller shape, its variant as
