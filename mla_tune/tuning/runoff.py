@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mla_tune.db import TrialRow
+from mla_tune.problem.shapes import KVFormat, Shape
 
 DEFAULT_FINALISTS = 3
 WINDOW = 0.15
@@ -48,3 +49,24 @@ def timed_with(trials: Sequence[TrialRow], trial_id: int | None) -> int:
     stamp = next((t.remeasured_at for t in trials if t.id == trial_id), None)
     return 0 if stamp is None else sum(1 for t in trials if t.remeasured_at == stamp)
 
+
+
+def call_of(shape: Shape) -> str:
+    """The key of a shape's call whatever its KV format: a sweep runs off the shapes of one
+    call together, since the dispatcher picks a call's format from its winners' times."""
+    return shape.with_format(KVFormat.BF16).key
+
+
+def call_finalists(trials_by_shape: Sequence[Sequence[TrialRow]],
+                   k: int = DEFAULT_FINALISTS) -> list[TrialRow]:
+    """The finalists of a call swept in one or more KV formats: each shape's `finalists`;
+    beside other formats, a shape with a single correct trial sends that one (its format's
+    winner)."""
+    out: list[TrialRow] = []
+    for trials in trials_by_shape:
+        chosen = finalists(trials, k)
+        ok = [t for t in trials if t.status == "ok" and t.median_us is not None]
+        if not chosen and ok and len(trials_by_shape) > 1:
+            chosen = [min(ok, key=lambda t: (t.median_us, t.id))]
+        out += chosen
+    return out

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -40,10 +40,10 @@ from mla_tune.machine.fingerprint import (
     SoftwareFingerprint,
     current_software,
 )
-from mla_tune.problem.shapes import KVFormat, Shape
+from mla_tune.problem.shapes import Shape
 from mla_tune.results.selection import update_winner
 from mla_tune.results.winner import Winner
-from mla_tune.tuning.compile_ahead import CompileStage, CompileSummary
+from mla_tune.tuning.compile_ahead import CompileStage
 from mla_tune.tuning.evaluate import TrialOutcome
 from mla_tune.tuning.optuna_study import open_study, study_name
 from mla_tune.tuning.owners import (
@@ -52,9 +52,21 @@ from mla_tune.tuning.owners import (
     owner_is_dead,
 )
 from mla_tune.tuning.plan import available_backends, shape_candidates
-from mla_tune.tuning.runoff import DEFAULT_FINALISTS, finalists, timed_together, timed_with
+from mla_tune.tuning.runoff import (
+    call_finalists,
+    call_of,
+    timed_together,
+    timed_with,
+)
 from mla_tune.tuning.search import SearchDriver, Strategy, make_sampler
-from mla_tune.tuning.timing import TimingPolicy
+from mla_tune.tuning.sweep_api import (
+    BackendSummary,
+    ShapeResult,
+    SweepError,
+    SweepInterrupted,
+    SweepObserver,
+    SweepOptions,
+)
 from mla_tune.tuning.workers import (
     BandwidthJob,
     Done,
@@ -66,86 +78,9 @@ from mla_tune.tuning.workers import (
 )
 
 log = logging.getLogger(__name__)
-FORMAT_KEY = KVFormat.BF16
-"""The format a shape is keyed in to find the other formats of its call."""
 BASELINE_BACKENDS = ("flashinfer", "aiter", "torch")
 # How often an idle sweep looks again for candidates other sweeps hold.
 _POLL_S = 1.0
-
-
-@dataclass(frozen=True)
-class SweepOptions:
-    """How to sweep. `devices` has one entry per worker process (`cuda:0`, `cuda:1`, or
-    `cpu`); their device fingerprints must match, since their timings are pooled."""
-
-    devices: tuple[str, ...] = ("cpu",)
-    strategy: Strategy = Strategy.GRID
-    budget: int | None = None
-    seed: int = 0
-    policy: TimingPolicy = field(default_factory=TimingPolicy)
-    baselines: bool = True
-    candidate_timeout_s: float = 120.0
-    # Per backend, knobs narrowed to some of their declared values (`--pin`).
-    pins: Mapping[str, Mapping[str, list[Any]]] = field(default_factory=dict)
-    heartbeat_s: float = 5.0
-    stale_after_s: float = 60.0
-    # Compile each distinct kernel once in CPU processes while the GPU workers start.
-    compile_ahead: bool = True
-    # Trial outcomes to measure again (`--retry`): stored trials with these statuses are
-    # deleted for the keys swept, so their configs are candidates again.
-    retry: tuple[str, ...] = ()
-    # Finalists timed again side by side before a shape's winner is picked
-    # (`--runoff`, mla_tune.tuning.runoff); below 2, winners come from the first times.
-    runoff: int = DEFAULT_FINALISTS
-
-
-class SweepError(RuntimeError):
-    """The sweep cannot run as asked; the message says why."""
-
-
-@dataclass
-class BackendSummary:
-    name: str
-    skipped: str | None = None
-    new_trials: int = 0
-    reused_trials: int = 0
-    best_us: float | None = None
-
-
-@dataclass
-class ShapeResult:
-    shape: Shape
-    winner: Winner | None
-    backends: list[BackendSummary]
-    # Finalists whose times come from one side-by-side run (0: the first times stand).
-    side_by_side: int = 0
-
-
-class SweepInterrupted(Exception):
-    """Raised after a clean stop (Ctrl-C, SIGTERM): every finished trial is stored, the
-    candidates that were running are back in the queue, and re-running the same command
-    finishes the rest."""
-
-    def __init__(self, results: list[ShapeResult], new_trials: int, requeued: int) -> None:
-        super().__init__(f"sweep interrupted after {new_trials} new trials")
-        self.results = results
-        self.new_trials = new_trials
-        self.requeued = requeued
-
-
-class SweepObserver(Protocol):
-    """Progress hooks for a UI; the sweep itself prints nothing."""
-
-    def shape_started(self, shape: Shape, backends: Sequence[str]) -> None: ...
-
-    def backend_started(self, shape: Shape, backend: str, todo: int) -> None: ...
-
-    def trial_done(self, shape: Shape, backend: str, config: dict[str, Any],
-                   outcome: TrialOutcome, best_us: float | None) -> None: ...
-
-    def shape_done(self, result: ShapeResult) -> None: ...
-
-    def compile_done(self, summary: CompileSummary) -> None: ...
 
 
 def resolve_backends(names: Sequence[str] | None, baselines: bool) -> list[Backend]:
@@ -493,7 +428,7 @@ class _Sweep:
         if runs is None:
             return  # another format of this call is still being tuned
         trials = {id(r): self._trials(r) for r in runs}
-        chosen = [t for r in runs for t in self._finalists(trials[id(r)], len(runs) > 1)]
+        chosen = call_finalists([trials[id(r)] for r in runs], self.options.runoff)
         if len(chosen) >= 2 and not timed_together(chosen):
             for r in runs:
                 r.runoff_pending = True
@@ -508,8 +443,7 @@ class _Sweep:
         when it is the only one, or when run-offs are off), None while any is not ready."""
         if self.options.runoff < 2:
             return [run]
-        call = run.shape.with_format(FORMAT_KEY).key
-        keys = {s.key for s in self.shapes if s.with_format(FORMAT_KEY).key == call}
+        keys = {s.key for s in self.shapes if call_of(s) == call_of(run.shape)}
         runs = [r for r in self.runs if r.shape.key in keys]
         if len(runs) < len(keys) or not all(r.ready and r.result is None for r in runs):
             return None
@@ -519,15 +453,6 @@ class _Sweep:
         return [t for g in run.groups for t in self.store.trials(
             device_id=self.device_id, software_id=self.software_id, shape_key=run.shape.key,
             backend=g.backend.name, source_hash=g.key.source_hash)]
-
-    def _finalists(self, trials: list[TrialRow], with_formats: bool) -> list[TrialRow]:
-        """A shape's finalists (`runoff.finalists`); with other formats of its call beside
-        it, a shape with a single correct trial sends that one (its format's winner)."""
-        chosen = finalists(trials, self.options.runoff)
-        if chosen or not with_formats:
-            return chosen
-        ok = [t for t in trials if t.status == "ok" and t.median_us is not None]
-        return [min(ok, key=lambda t: (t.median_us, t.id))] if ok else []
 
     def _finish(self, run: _ShapeRun, winner: Winner | None, side_by_side: int) -> None:
         run.result = ShapeResult(run.shape, winner, run.summaries, side_by_side)
