@@ -423,10 +423,11 @@ class RoutingTable:
                 continue
             for w in winners:
                 s = w.winner.shape
-                library = ROW_BLOCK_KNOB not in w.config and self._plans_rows(w.winner.backend)
-                if library or ROW_BLOCK_KNOB in w.config:
+                row_blocked = ROW_BLOCK_KNOB in w.config
+                library = not row_blocked and self._plans_rows(w.winner.backend)
+                if row_blocked or library:
                     evidence.append((s.batch, s.kv_len, s.q_len * s.heads, library))
-                if not (ROW_BLOCK_KNOB in w.config or (library and s.q_len * s.heads <= rows)):
+                if not (row_blocked or (library and s.q_len * s.heads <= rows)):
                     continue  # nothing says how its config behaves at these rows
                 loaded.append(w)
                 sources.append((s.batch, s.kv_len, s.q_len * s.heads, s.q_len, fam_key != own,
@@ -436,13 +437,15 @@ class RoutingTable:
         for i in transfer_order(shape.batch, shape.kv_len, rows, shape.q_len, sources):
             w, other = loaded[i], sources[i][4]
             row_blocked = ROW_BLOCK_KNOB in w.config
-            if blocked if row_blocked else library:
-                continue
+            if (blocked if row_blocked else library):
+                continue  # the nearest source of each kind only
             fam = self._family(w.winner.backend)
             if isinstance(fam, str) or fam.backend.supports(shape) is not None:
                 continue
             moved = self._row_model(w.winner.backend, fam, shape, w, TRANSFER_TRIES) \
                 if row_blocked else self._as_tuned(w.winner.backend, fam, shape, w.config)
+            if not moved:
+                continue
             s = w.winner.shape
             dist = transfer_distance(shape.batch, shape.kv_len, rows, shape.q_len, s.batch,
                                      s.kv_len, s.q_len * s.heads, s.q_len)

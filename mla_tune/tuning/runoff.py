@@ -50,7 +50,6 @@ def timed_with(trials: Sequence[TrialRow], trial_id: int | None) -> int:
     return 0 if stamp is None else sum(1 for t in trials if t.remeasured_at == stamp)
 
 
-
 def call_of(shape: Shape) -> str:
     """The key of a shape's call whatever its KV format: a sweep runs off the shapes of one
     call together, since the dispatcher picks a call's format from its winners' times."""
@@ -65,8 +64,8 @@ def call_finalists(trials_by_shape: Sequence[Sequence[TrialRow]],
     out: list[TrialRow] = []
     for trials in trials_by_shape:
         chosen = finalists(trials, k)
-        ok = [t for t in trials if t.status == "ok" and t.median_us is not None]
-        if not chosen and ok and len(trials_by_shape) > 1:
-            chosen = [min(ok, key=lambda t: (t.median_us, t.id))]
+        if not chosen and len(trials_by_shape) > 1:
+            ok = [t for t in trials if t.status == "ok" and t.median_us is not None]
+            chosen = [min(ok, key=lambda t: (t.median_us, t.id))] if ok else []
         out += chosen
     return out

@@ -152,6 +152,10 @@ class _Sweep:
         self.owner = owner_id()
         self.dead: set[str] = set()
         self.runs: list[_ShapeRun] = []
+        # The shape keys of each call the sweep covers (its formats run off together).
+        self.calls: dict[str, set[str]] = {}
+        for shape in self.shapes:
+            self.calls.setdefault(call_of(shape), set()).add(shape.key)
         self.out: dict[int, tuple[_Group, dict[str, Any]] | _Runoff] = {}
         self.runoffs: list[_Runoff] = []
         # Shape whose input and reference each worker slot holds (it regenerates them when
@@ -427,15 +431,15 @@ class _Sweep:
         runs = self._call_runs(run)
         if runs is None:
             return  # another format of this call is still being tuned
-        trials = {id(r): self._trials(r) for r in runs}
-        chosen = call_finalists([trials[id(r)] for r in runs], self.options.runoff)
+        trials = [self._trials(r) for r in runs]
+        chosen = call_finalists(trials, self.options.runoff)
         if len(chosen) >= 2 and not timed_together(chosen):
             for r in runs:
                 r.runoff_pending = True
             self.runoffs.append(_Runoff(runs, chosen))
             return
-        for r in runs:
-            self._finish(r, r.winner, timed_with(trials[id(r)], None if r.winner is None
+        for r, ts in zip(runs, trials):
+            self._finish(r, r.winner, timed_with(ts, None if r.winner is None
                                                  else r.winner.trial_id))
 
     def _call_runs(self, run: _ShapeRun) -> list[_ShapeRun] | None:
@@ -443,7 +447,7 @@ class _Sweep:
         when it is the only one, or when run-offs are off), None while any is not ready."""
         if self.options.runoff < 2:
             return [run]
-        keys = {s.key for s in self.shapes if call_of(s) == call_of(run.shape)}
+        keys = self.calls[call_of(run.shape)]
         runs = [r for r in self.runs if r.shape.key in keys]
         if len(runs) < len(keys) or not all(r.ready and r.result is None for r in runs):
             return None
