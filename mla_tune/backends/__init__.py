@@ -19,6 +19,7 @@ _REGISTRY: dict[str, str] = {
     "aiter": "mla_tune.backends.aiter_backend:AiterBackend",
     "triton": "mla_tune.backends.triton_family:TritonFamily",
     "cuda": "mla_tune.backends.compiled_source:family_cuda",
+    "cuda_mma": "mla_tune.backends.compiled_source:family_cuda_mma",
 }
 
 _instances: dict[str, Backend] = {}

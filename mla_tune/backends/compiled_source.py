@@ -242,7 +242,7 @@ class CompiledSourceFamily(Backend):
         module = Module(self.spec.language, Path(report.image).read_bytes(), index)
         out = torch.empty((shape.total_q, shape.heads, V_HEAD_DIM), dtype=torch.bfloat16,
                           device=dev)
-        scratch = torch.empty(max(16, int(self.spec.scratch(env))), dtype=torch.uint8,
+        scratch = torch.zeros(max(16, int(self.spec.scratch(env))), dtype=torch.uint8,
                               device=dev)
         tensor_cells: list[tuple[Any, int]] = []  # (cell, position in the call's tensors)
         call_cells: list[tuple[Any, Arg]] = []  # scalars read from the call's tensors

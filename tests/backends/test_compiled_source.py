@@ -101,18 +101,23 @@ def test_expressions_evaluate_arithmetic_and_refuse_code() -> None:
 
 # -- the shipped family ---------------------------------------------------------------------
 
-def test_shipped_family_is_registered_and_small() -> None:
-    b = registry.get_backend("cuda")
+SHIPPED = ("cuda", "cuda_mma")
+"""The compiled families shipped in configs/backends (CUDA cores; tensor cores)."""
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_family_is_registered_and_small(name: str) -> None:
+    b = registry.get_backend(name)
     assert b.spec.language == "cuda" and set(b.spec.formats) == set(KVFormat)
     variants = b.variants()
-    assert 12 <= len(variants) <= 36  # every one is compiled by CI below
+    assert 12 <= len(variants) <= 48  # every one is compiled by CI below
     # SPLITS is a kernel argument: it never multiplies compiles.
     assert all("SPLITS" not in macros for _, macros in variants)
     # The class is importable by path, as the sweep's worker processes import it.
     import importlib
 
-    cls = getattr(importlib.import_module("mla_tune.backends.compiled_source"), "family_cuda")
-    assert cls is type(b) and cls.name == "cuda"
+    cls = getattr(importlib.import_module("mla_tune.backends.compiled_source"), f"family_{name}")
+    assert cls is type(b) and cls.name == name
 
 
 def test_constraints_prune_candidates_per_shape() -> None:
@@ -235,8 +240,10 @@ def test_unavailable_without_gpu_says_why() -> None:
 # -- compiling for sm_90a without a GPU -------------------------------------------------------
 
 @needs_nvcc
-def test_every_shipped_variant_compiles_for_sm90a_with_resources_recorded(cache: Path) -> None:
-    b = registry.get_backend("cuda")
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_variant_compiles_for_sm90a_with_resources_recorded(
+        cache: Path, name: str) -> None:
+    b = registry.get_backend(name)
     variants = b.variants()
     with ThreadPoolExecutor(2) as ex:
         reports = list(ex.map(lambda v: b.compile(v[0], v[1], "sm_90a"), variants))
@@ -246,9 +253,10 @@ def test_every_shipped_variant_compiles_for_sm90a_with_resources_recorded(cache:
         assert Path(r.image).is_file()
         for entry in ("mla_split", "mla_merge"):
             assert r.registers[entry] > 0 and entry in r.spills, (fmt, macros, r)
-        assert r.params["mla_split"] == [8] * 7 + [4] * 4
+        assert r.params["mla_split"] == [8] * 7 + [4] * (len(b.spec.launches[0].args) - 7)
         # A variant runs unless it spills (the precheck says so instead of a GPU finding out).
-        problem = b.problem(r, Shape.uniform(4, 1024, kv_format=fmt), {**macros, "SPLITS": 8})
+        runtime = {k: 1 for k in b.spec.runtime_knobs} | {"SPLITS": 8}
+        problem = b.problem(r, Shape.uniform(4, 1024, kv_format=fmt), {**macros, **runtime})
         assert (problem is None) == (r.spills["mla_split"] == 0), (fmt, macros, problem)
     clean = {f for (f, _), r in zip(variants, reports) if not r.spills["mla_split"]}
     assert clean == set(KVFormat)

@@ -1,0 +1,73 @@
+"""Time (or hand to a profiler) chosen variants of a compiled-source family on a GPU: a dev
+script for kernel work, not a test and not the tuner.
+
+Each variant is `FORMAT:BATCHxKV:KNOB=V,...` with the family's knobs (macros and runtime
+knobs alike), e.g. `fp8:128x8192:BN=64,MT=1,LOAD=1,QK=0,SPLITS=2`. Every variant is built
+through the backend, judged by the sweep's gate against the float32 reference, then timed
+with the tuner's timer (cold L2 before every call); each line gives median, minimum,
+effective TB/s and the share of the device's read ceiling.
+
+    python3 bench/compiled_probe.py --backend cuda_mma VARIANT [VARIANT ...]
+    ncu --kernel-name mla_split --launch-skip 1 --launch-count 1 \\
+        python3 bench/compiled_probe.py --backend cuda_mma --once VARIANT
+
+`--once` launches each variant once more after its check (so the check's launch is the one
+to skip in a profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import benchkit
+from mla_tune.backends import get_backend
+from mla_tune.tuning.timing import CudaTimer, TimingPolicy
+
+
+def parse(text: str, heads: int) -> tuple:
+    """'FORMAT:BATCHxKV:K=V,...' -> (shape, config with integer values)."""
+    head, _, knobs = text.rpartition(":")
+    shape = benchkit.parse_format_shape(head, heads)
+    try:
+        config = {k: int(v) for k, v in (kv.split("=") for kv in knobs.split(",") if kv)}
+    except ValueError:
+        raise SystemExit(f"bad variant {text!r}: knobs are KNOB=INTEGER,...") from None
+    return shape, config
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("variants", nargs="+")
+    ap.add_argument("--backend", default="cuda_mma")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--once", action="store_true", help="launch once after the check")
+    ap.add_argument("--budget", type=float, default=0.5, help="timing budget per variant, s")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    backend = get_backend(a.backend)
+    timer = None if a.once else CudaTimer(dev, TimingPolicy(
+        warmup=3, min_runs=20, max_runs=300, budget_s=a.budget))
+    ceiling = None if a.once else benchkit.read_ceiling_gbps()
+    for text in a.variants:
+        shape, config = parse(text, a.heads)
+        data = benchkit.task_input(shape, dev)
+        ref = benchkit.reference(data, shape.kv_format)
+        run = backend.build(shape, config, dev)
+        res = benchkit.check(run(data), ref, shape.kv_format)
+        line = (f"{text:60} {'ok' if res.ok else 'WRONG'} err {res.max_abs_err:.3g} "
+                f"mism {res.mismatch_frac:.2%}")
+        if a.once:
+            run(data)
+            torch.cuda.synchronize()
+        else:
+            st = timer.measure(lambda: run(data))
+            gbps = shape.kv_bytes / st.median_us / 1e3
+            line += (f"  median {st.median_us:8.1f} us  min {st.min_us:8.1f}  "
+                     f"{gbps / 1e3:5.2f} TB/s {100 * gbps / ceiling:5.1f}%")
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
