@@ -23,18 +23,19 @@ import torch
 
 import benchkit
 from mla_tune.backends import get_backend
+from mla_tune.tuning.space import ConfigError, ParamSpace
 from mla_tune.tuning.timing import CudaTimer, TimingPolicy
 
 
-def parse(text: str, heads: int) -> tuple:
-    """'FORMAT:BATCHxKV:K=V,...' -> (shape, config with integer values)."""
+def parse(text: str, heads: int, space: ParamSpace) -> tuple:
+    """'FORMAT:BATCHxKV:K=V,...' -> (shape, a point of the family's space)."""
     head, _, knobs = text.rpartition(":")
     shape = benchkit.parse_format_shape(head, heads)
     try:
         config = {k: int(v) for k, v in (kv.split("=") for kv in knobs.split(",") if kv)}
-    except ValueError:
-        raise SystemExit(f"bad variant {text!r}: knobs are KNOB=INTEGER,...") from None
-    return shape, config
+        return shape, space.validate(config)
+    except (ValueError, ConfigError) as e:
+        raise SystemExit(f"bad variant {text!r}: {e}") from None
 
 
 def main() -> None:
@@ -50,8 +51,9 @@ def main() -> None:
     timer = None if a.once else CudaTimer(dev, TimingPolicy(
         warmup=3, min_runs=20, max_runs=300, budget_s=a.budget))
     ceiling = None if a.once else benchkit.read_ceiling_gbps()
+    space = backend.declared_space(dev)
     for text in a.variants:
-        shape, config = parse(text, a.heads)
+        shape, config = parse(text, a.heads, space)
         data = benchkit.task_input(shape, dev)
         ref = benchkit.reference(data, shape.kv_format)
         run = backend.build(shape, config, dev)
