@@ -34,10 +34,17 @@
 // SM), QK (how a row tile's 4 warps share S: 0, by keys, Q fragments read from shared
 // memory every tile; 1, by dims, each warp keeps the Q fragments of its 144 dims in
 // registers and the partial scores are summed through shared memory, where Q was).
-// No torch headers: `nvcc -cubin -arch=sm_90a -DKV_FORMAT=0 -DBN=64 -DMT=1 -DLOAD=0 -DQK=1`.
+// CLUSTER (0, 8 or 16; MT 1, QK 1): the SPLITS == CLUSTER blocks of a row tile form one
+// thread block cluster and merge their splits through distributed shared memory at the
+// end (each block keeps its partial in its own shared memory, then block r combines
+// columns [r DV / CLUSTER, (r + 1) DV / CLUSTER) of all of them): one launch and no
+// scratch round trip, what small batches need; 16 is a non-portable cluster size.
+// No torch headers:
+// `nvcc -cubin -arch=sm_90a -DKV_FORMAT=0 -DBN=64 -DMT=1 -DLOAD=0 -DQK=1 -DCLUSTER=0`.
 
-#include <cuda_bf16.h>
-#include <stdint.h>
+#include <cooperative_groups.h>
+
+#include "mla_common.cuh"
 
 #ifndef KV_FORMAT
 #error "define KV_FORMAT: 0 bf16, 1 fp8, 2 mxfp4"
@@ -54,15 +61,19 @@
 #ifndef LOAD
 #error "define LOAD: 0 (cp.async double buffer) or 1 (register prefetch; fp8, mxfp4)"
 #endif
+#ifndef CLUSTER
+#error "define CLUSTER: 0, or the splits merged in one thread block cluster (8 or 16)"
+#endif
 #if BN != 32 && BN != 64
 #error "BN must be 32 or 64"
+#endif
+#if CLUSTER != 0 && (MT != 1 || QK != 1)
+#error "CLUSTER merges need MT 1 and QK 1"
 #endif
 #if KV_FORMAT == 0 && LOAD != 0
 #error "bf16 tiles are used as copied: LOAD 0 only"
 #endif
 
-#define DQK 576
-#define DV 512
 #define NW (4 * MT)
 #define NT (32 * NW)
 #define ROWS (16 * MT)
@@ -92,16 +103,14 @@
 #define P_BYTES (ROWS * PSTRIDE)
 #define RED_BYTES (NW * 16 * 4)
 #define SHARED_NEED (Q_BYTES + RAW_BYTES + DEC_BYTES + P_BYTES + RED_BYTES)
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
+#define OSTRIDE (DV + 4)  // floats per row of a cluster block's partial (CLUSTER > 0)
+static_assert(CLUSTER == 0 || RAW_BYTES + DEC_BYTES >= 16 * OSTRIDE * 4,
+              "the partial of a cluster block lives where the KV tiles were");
+#if CLUSTER > 0
+#define CLUSTER_DIMS __cluster_dims__(CLUSTER, 1, 1)
+#else
+#define CLUSTER_DIMS
+#endif
 
 __device__ __forceinline__ void ldsm_x2(uint32_t addr, uint32_t (&r)[2]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
@@ -115,41 +124,9 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
                : "r"(addr));
 }
 
-// d += a (16x16, row) * b (16x8, col), bf16 inputs, float32 accumulators.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t f2bf2(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-__device__ __forceinline__ uint32_t bf2_mul(uint32_t a, uint32_t b) {
-  __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a),
-                             *reinterpret_cast<__nv_bfloat162*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-
-// Bytes 2i, 2i+1 of a word of e4m3 -> bf16x2, by bits: the e4m3 exponent and mantissa
-// land in the low bits of the bf16 exponent and the top of its mantissa, then x 2^120
-// restores the bias (e4m3 subnormals come out as bf16 subnormals, exact).
+// Bytes 2i, 2i+1 of a word of e4m3 -> bf16x2 (mla_common.cuh: exact).
 __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t w, int pair) {
-  const uint32_t x = __byte_perm(w, 0, pair ? 0x3424 : 0x1404);  // bytes at 8..15, 24..31
-  return bf2_mul((x & 0x80008000u) | ((x >> 4) & 0x07f007f0u), 0x7b807b80u);
-}
-
-// Elements k and k + 4 of a word of eight e2m1 (element j in bits 4j..4j+3) -> bf16x2 in
-// units of 2^-126: sign to bit 15 / 31, exponent and mantissa bits to 6..8 / 22..24.
-template <int K>
-__device__ __forceinline__ uint32_t e2m1_pair_bits(uint32_t w) {
-  const uint32_t q = w << (12 - 4 * K);
-  return (q & 0x80008000u) | ((q >> 6) & 0x01c001c0u);
+  return e4m3_odd_bytes_to_bf16x2(__byte_perm(w, 0, pair ? 0x3424 : 0x1404));
 }
 
 // One 16-byte raw chunk of row `tok` -> its bf16 columns of the decoded tile. fp8: 16
@@ -195,36 +172,67 @@ __device__ __forceinline__ int column_of(int pos) {
 #endif
 }
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0));
-}
-
-// Columns 4 c4 .. 4 c4 + 3 of output row `row`, its splits combined by log-sum-exp
-// (partials read from L2: they may come from other blocks of the same launch).
-__device__ __forceinline__ uint2 merged_cols(const float* part, int splits, int total_rows,
-                                             size_t row, int c4) {
-  const float* lse = part + (size_t)total_rows * splits * DV + row * splits;
-  float mx = -INFINITY;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(lse + s));
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float wsum = 0.f;
-  for (int s = 0; s < splits; ++s) {
-    const float l = __ldcg(lse + s);
-    const float w = l == -INFINITY ? 0.f : exp2f(l - mx);
-    if (w == 0.f) continue;
-    const float4 v = __ldcg(reinterpret_cast<const float4*>(part + (row * splits + s) * DV) + c4);
-    acc.x = fmaf(w, v.x, acc.x);
-    acc.y = fmaf(w, v.y, acc.y);
-    acc.z = fmaf(w, v.z, acc.z);
-    acc.w = fmaf(w, v.w, acc.w);
-    wsum += w;
+#if CLUSTER > 0
+// The end of a cluster block (MT 1; the row sums are in red_s, the KV tiles are no longer
+// read): its normalized partial and log-sum-exps into its own shared memory, then its
+// share of the columns merged from every block of the cluster into `out` (the row tile's
+// first output row).
+__device__ __forceinline__ void cluster_merge(const float (&acc)[16][4], const float (&m_run)[2],
+                                              const float* red_s, float* o_s, float kv_mul,
+                                              int rows, int g, int t, int wq,
+                                              __nv_bfloat16* __restrict__ out) {
+  namespace cg = cooperative_groups;
+  __shared__ float lse_s[16];
+  cg::cluster_group cluster = cg::this_cluster();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    float l = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) l += red_s[w * 16 + r];
+    const float inv = l > 0.f ? kv_mul / l : 0.f;
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+      const int pos = wq * 128 + 8 * n + 2 * t;
+      o_s[r * OSTRIDE + column_of(pos)] = acc[n][2 * h] * inv;
+      o_s[r * OSTRIDE + column_of(pos + 1)] = acc[n][2 * h + 1] * inv;
+    }
+    if (wq == 0 && t == 0) lse_s[r] = l > 0.f && r < rows ? m_run[h] + log2f(l) : -INFINITY;
   }
-  const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
-  return make_uint2(f2bf2(acc.x * inv, acc.y * inv), f2bf2(acc.z * inv, acc.w * inv));
+  cluster.sync();
+  constexpr int COLS = DV / CLUSTER;  // 64 or 32 per block
+  const int c0 = (int)cluster.block_rank() * COLS;
+  for (int i = threadIdx.x; i < rows * (COLS / 4); i += NT) {
+    const int r = i / (COLS / 4), c = c0 + (i % (COLS / 4)) * 4;
+    float lse[CLUSTER];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < CLUSTER; ++s) {
+      lse[s] = cluster.map_shared_rank(lse_s, s)[r];
+      mx = fmaxf(mx, lse[s]);
+    }
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    float wsum = 0.f;
+#pragma unroll
+    for (int s = 0; s < CLUSTER; ++s) {
+      const float w = lse[s] == -INFINITY ? 0.f : exp2f(lse[s] - mx);
+      const float4 v = *reinterpret_cast<const float4*>(cluster.map_shared_rank(o_s, s) +
+                                                        r * OSTRIDE + c);
+      a.x = fmaf(w, v.x, a.x);
+      a.y = fmaf(w, v.y, a.y);
+      a.z = fmaf(w, v.z, a.z);
+      a.w = fmaf(w, v.w, a.w);
+      wsum += w;
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    *reinterpret_cast<uint2*>(out + (size_t)r * DV + c) =
+        make_uint2(f2bf2(a.x * inv, a.y * inv), f2bf2(a.z * inv, a.w * inv));
+  }
+  cluster.sync();  // no block leaves while another still reads its shared memory
 }
+#endif
 
-extern "C" __global__ void __launch_bounds__(NT)
+extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(NT)
 mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
           const void* __restrict__ kv_scale, const int* __restrict__ qo_indptr,
           const int* __restrict__ kv_indptr, float* __restrict__ part,
@@ -571,6 +579,11 @@ mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
     if (t == 0) red_s[warp * 16 + g + 8 * h] = l_part[h];
   }
   __syncthreads();
+#if CLUSTER > 0
+  cluster_merge(acc, m_run, red_s, reinterpret_cast<float*>(raw_s), kv_mul, rows, g, t, wq,
+                out + ((size_t)q0 * heads + f0) * DV);
+  return;
+#endif
   const int total_rows = qo_indptr[gridDim.y] * heads;
   const size_t row0 = (size_t)q0 * heads + f0 + rt * 16;
 #pragma unroll
@@ -635,13 +648,4 @@ mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
     reinterpret_cast<uint2*>(out + row * DV)[i % (DV / 4)] =
         merged_cols(part, splits, total_rows, row, i % (DV / 4));
   }
-}
-
-// Merge (merge == 0): one block of 128 threads per output row; thread t owns columns
-// 4t..4t+3.
-extern "C" __global__ void __launch_bounds__(128)
-mla_merge(const float* __restrict__ part, __nv_bfloat16* __restrict__ out, int splits,
-          int total_rows) {
-  reinterpret_cast<uint2*>(out + (size_t)blockIdx.x * DV)[threadIdx.x] =
-      merged_cols(part, splits, total_rows, blockIdx.x, threadIdx.x);
 }

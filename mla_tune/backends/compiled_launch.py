@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 _DYNAMIC_SHARED_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (hip: same value)
+_NON_PORTABLE_CLUSTER_ATTR = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
 _INVALID_CONTEXT = 201     # CUDA_ERROR_INVALID_CONTEXT
 
 
@@ -73,6 +74,11 @@ class Module:
         if dynamic_shared > 48 * 1024:
             self.api.call("FuncSetAttribute", fn, _DYNAMIC_SHARED_ATTR,
                           ctypes.c_int(dynamic_shared))
+        if self.api.prefix == "cu":
+            # Lets an entry compiled with __cluster_dims__ above 8 (Hopper's non-portable
+            # sizes, up to 16) launch; a driver without the attribute refuses it here and
+            # such a launch then fails with the driver's own error.
+            self.api.lib.cuFuncSetAttribute(fn, _NON_PORTABLE_CLUSTER_ATTR, ctypes.c_int(1))
         return fn
 
     def param_sizes(self, fn: ctypes.c_void_p) -> list[int] | None:

@@ -127,8 +127,8 @@ def strip_comments(code: str) -> str:
 def entry_params(code: str, entry: str) -> list[str] | None:
     """The parameter declarations of `__global__ ... void entry(...)` in `code` (comments
     stripped), or None when the source defines no such entry."""
-    m = re.search(rf"__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+"
-                  rf"(?:__launch_bounds__\s*\([^)]*\)\s*)?{re.escape(entry)}\s*\(", code)
+    attrs = r"(?:\w+(?:\s*\([^)]*\))?\s+)*?"  # __launch_bounds__(..), __cluster_dims__(..), macros
+    m = re.search(rf"__global__\s+{attrs}void\s+{attrs}{re.escape(entry)}\s*\(", code)
     if m is None:
         return None
     depth, start, params = 1, m.end(), []
