@@ -1,9 +1,9 @@
 """Time (or hand to a profiler) chosen variants of a compiled-source family on a GPU: a dev
 script for kernel work, not a test and not the tuner.
 
-Each variant is `FORMAT:BATCHxKV:KNOB=V,...` with the family's knobs (macros and runtime
-knobs alike), e.g. `fp8:128x8192:BN=64,MT=1,LOAD=1,QK=0,SPLITS=2`. Every variant is built
-through the backend, judged by the sweep's gate against the float32 reference, then timed
+Each variant is `FORMAT:BATCHxKV:KNOB=V,...` with all of the family's knobs (macros and
+runtime knobs alike), e.g. `fp8:128x8192:BN=64,MT=1,LOAD=1,QK=0,SPLITS=2,MERGE=0,CLUSTER=0`.
+Every variant is built through the backend, judged by the sweep's gate against the float32 reference, then timed
 with the tuner's timer (cold L2 before every call); each line gives median, minimum,
 effective TB/s and the share of the device's read ceiling.
 

@@ -20,6 +20,7 @@ _REGISTRY: dict[str, str] = {
     "triton": "mla_tune.backends.triton_family:TritonFamily",
     "cuda": "mla_tune.backends.compiled_source:family_cuda",
     "cuda_mma": "mla_tune.backends.compiled_source:family_cuda_mma",
+    "cuda_frag": "mla_tune.backends.compiled_source:family_cuda_frag",
 }
 
 _instances: dict[str, Backend] = {}

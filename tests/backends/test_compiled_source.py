@@ -15,7 +15,7 @@ import torch
 from mla_tune import backends as registry
 from mla_tune.backends.compiled_expr import ExprError, parse
 from mla_tune.backends.compiled_source import FAMILIES_ENV, CompiledSourceFamily
-from mla_tune.backends.compiled_spec import ContractError, load_spec
+from mla_tune.backends.compiled_spec import ContractError, entry_params, load_spec
 from mla_tune.backends.compiled_toolchain import (
     ToolchainError,
     compile_command,
@@ -101,16 +101,18 @@ def test_expressions_evaluate_arithmetic_and_refuse_code() -> None:
 
 # -- the shipped family ---------------------------------------------------------------------
 
-SHIPPED = ("cuda", "cuda_mma")
-"""The compiled families shipped in configs/backends (CUDA cores; tensor cores)."""
+SHIPPED = {"cuda": set(KVFormat), "cuda_mma": set(KVFormat),
+           "cuda_frag": {KVFormat.FP8, KVFormat.MXFP4}}
+"""The compiled families shipped in configs/backends and the KV formats each decodes (CUDA
+cores; tensor cores on decoded tiles; tensor cores on fragments decoded in registers)."""
 
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_family_is_registered_and_small(name: str) -> None:
     b = registry.get_backend(name)
-    assert b.spec.language == "cuda" and set(b.spec.formats) == set(KVFormat)
+    assert b.spec.language == "cuda" and set(b.spec.formats) == SHIPPED[name]
     variants = b.variants()
-    assert 12 <= len(variants) <= 48  # every one is compiled by CI below
+    assert 2 * len(SHIPPED[name]) <= len(variants) <= 64  # every one is compiled by CI below
     # SPLITS is a kernel argument: it never multiplies compiles.
     assert all("SPLITS" not in macros for _, macros in variants)
     # The class is importable by path, as the sweep's worker processes import it.
@@ -259,7 +261,7 @@ def test_every_shipped_variant_compiles_for_sm90a_with_resources_recorded(
         problem = b.problem(r, Shape.uniform(4, 1024, kv_format=fmt), {**macros, **runtime})
         assert (problem is None) == (r.spills["mla_split"] == 0), (fmt, macros, problem)
     clean = {f for (f, _), r in zip(variants, reports) if not r.spills["mla_split"]}
-    assert clean == set(KVFormat)
+    assert clean == SHIPPED[name]
 
 
 @needs_nvcc
@@ -338,6 +340,19 @@ def test_ptx_entry_parameters_are_parsed() -> None:
     )
     {"""
     assert parse_ptx_entries(ptx) == {"k": [8, 4, 4, 24]}
+
+
+def test_entry_parameters_are_found_past_attributes() -> None:
+    # Attributes (and macros standing for them) may sit before or after `void`.
+    code = """
+    __global__ void helper(int a) {}
+    extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(128, 2)
+    mla_split(const float* __restrict__ q, int n) {}
+    extern "C" __global__ __launch_bounds__(64) void mla_merge(float* o) {}
+    """
+    assert entry_params(code, "mla_split") == ["const float* __restrict__ q", "int n"]
+    assert entry_params(code, "mla_merge") == ["float* o"]
+    assert entry_params(code, "absent") is None
 
 
 # -- HIP: command lines and contract handling (no ROCm compiler here) ------------------------
