@@ -403,8 +403,9 @@ if __name__ == "__main__":
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast plan path needs a CUDA GPU")
 def test_plan_with_the_same_tensors_reads_their_new_contents() -> None:
     """A server's persistent buffers, rewritten and planned each step (the plan that only
-    compares them with the last one's): outputs equal those of new tensors each step,
-    and a plan with other tensors in between is taken in full."""
+    compares them with the last one's), also with a new view of the page-index buffer each
+    step: outputs equal those of new tensors each step, and a plan with other tensors in
+    between is taken in full."""
     dev = torch.device("cuda", torch.cuda.current_device())
     steps = _gpu_steps(dev)
     q_buf, pool = steps[-1][0].clone(), torch.zeros_like(steps[-1][1])
@@ -412,6 +413,7 @@ def test_plan_with_the_same_tensors_reads_their_new_contents() -> None:
     ptr_buf, lens_buf = torch.zeros_like(steps[-1][3]), torch.zeros_like(steps[-1][4])
     qo = torch.arange(4, dtype=torch.int32, device=dev)
     same = MLADecodeWrapper("bf16", 16, 1, 16, dev, dispatcher=Dispatcher([], dev))
+    viewed = MLADecodeWrapper("bf16", 16, 1, 16, dev, dispatcher=Dispatcher([], dev))
     fresh = MLADecodeWrapper("bf16", 16, 1, 16, dev, dispatcher=Dispatcher([], dev))
     for s in (0, 1, 2, 3, 1):
         q, c, i, p, n = steps[s]
@@ -424,6 +426,11 @@ def test_plan_with_the_same_tensors_reads_their_new_contents() -> None:
         got = same.run(q_buf, pool).clone()
         fresh.plan(qo.clone(), ptr_buf.clone(), idx_buf.clone(), lens_buf.clone(), check=False)
         assert torch.equal(got, fresh.run(q_buf, pool))
+        # A new view of the page-index buffer each step, as long as the step's pages.
+        viewed.plan(qo, ptr_buf, idx_buf[:i.numel()], lens_buf, check=False)
+        got_view = viewed.run(q_buf, pool).clone()
+        fresh.plan(qo.clone(), ptr_buf.clone(), i.clone(), lens_buf.clone(), check=False)
+        assert torch.equal(got_view, fresh.run(q_buf, pool))
         if s == 2:  # other tensors in between, then the buffers again
             same.plan(qo.clone(), ptr_buf.clone(), idx_buf.clone(), lens_buf.clone(),
                       check=False)
