@@ -15,7 +15,7 @@ import torch
 from mla_tune import backends as registry
 from mla_tune.backends.compiled_expr import ExprError, parse
 from mla_tune.backends.compiled_source import FAMILIES_ENV, CompiledSourceFamily
-from mla_tune.backends.compiled_spec import ContractError, entry_params, load_spec
+from mla_tune.backends.compiled_spec import ContractError, entry_params, load_spec, shape_env
 from mla_tune.backends.compiled_toolchain import (
     ToolchainError,
     compile_command,
@@ -132,6 +132,22 @@ def test_constraints_prune_candidates_per_shape() -> None:
     assert all(c["SPLITS"] == 1 or c["SPLITS"] * c["BN"] <= 256 for c in short)
     assert len(long) == b.declared_space(dev).size()
     assert b.supports(Shape.uniform(2, 64, kv_format="mxfp4")) is None
+
+
+def test_cluster_merges_take_one_split_per_cluster_block() -> None:
+    b = registry.get_backend("cuda_mma")
+    compiled = [m for _, m in b.variants() if m["CLUSTER"]]
+    assert compiled and all(m["MT"] == 1 and m["QK"] == 1 for m in compiled)
+    cands = b.candidates(Shape.uniform(4, 1024), torch.device("cuda"))
+    clustered = [c for c in cands if c["CLUSTER"]]
+    assert {c["CLUSTER"] for c in clustered} == {8, 16}
+    assert all(c["SPLITS"] == c["CLUSTER"] and c["MERGE"] == 0 for c in clustered)
+    # No scratch and no merge launch: the cluster merges in shared memory.
+    shape, cfg = Shape.uniform(4, 1024), clustered[0]
+    env = {**shape_env(shape), **b.spec.defines["bf16"], **cfg}
+    assert b.spec.scratch(env) == 0
+    assert [ln.entry for ln in b.spec.launches if ln.when is None or ln.when(env)] == [
+        "mla_split"]
 
 
 def test_knob_only_constraints_prune_the_compile_list(tmp_path: Path) -> None:
