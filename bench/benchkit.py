@@ -147,13 +147,18 @@ def reference(data: TaskInput, kv_format: KVFormat | str) -> torch.Tensor:
     return mla_decode_reference(*data, kv_format=KVFormat(kv_format))
 
 
-def check(out: torch.Tensor, ref: torch.Tensor, kv_format: KVFormat | str) -> VerifyResult:
+def check(out: torch.Tensor, ref: torch.Tensor, kv_format: KVFormat | str,
+          atol_scale: float = 1.0) -> VerifyResult:
     """`out` judged against `ref` by the sweep's gate for the format
-    (configs/tolerances.toml)."""
+    (configs/tolerances.toml); `atol_scale` widens its atol for inputs scaled up by that
+    factor (their outputs and rounding errors scale with them)."""
+    from dataclasses import replace
+
     from mla_tune.problem.verify import check as gate
     from mla_tune.problem.verify import tolerance_for
 
-    return gate(out, ref, tolerance_for(kv_format))
+    tol = tolerance_for(kv_format)
+    return gate(out, ref, tol if atol_scale == 1.0 else replace(tol, atol=tol.atol * atol_scale))
 
 
 def graphed(launch: Callable[[], object]) -> Callable[[], None]:

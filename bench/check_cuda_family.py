@@ -6,8 +6,9 @@ one, each also with a loud cache (`LOUD`: 40 of every 97 keys x 8, so most of th
 block scale bytes are above 128 and the other keys' are not: kernels that special-case
 large scales must handle both). The loud cases are judged with the gate's atol x LOUD:
 scaling the cache scales the outputs and the bf16 rounding of P with it, while a lost
-scale factor (a power of two, at least 2) or token still lands far outside. Every compile variant with every runtime knob value feasible for the shape is built
-through the backend, run once and judged with the sweep's gate (configs/tolerances.toml).
+scale factor (a power of two, at least 2) or token still lands far outside. Every compile
+variant with every runtime knob value feasible for the shape is built through the backend,
+run once and judged with the sweep's gate (configs/tolerances.toml).
 Writes one JSON line per run to --json and prints a summary; exits 1 on any wrong run.
 
     python3 bench/check_cuda_family.py --backend cuda --json $OUT/check.jsonl
@@ -54,17 +55,6 @@ def cases(formats: list[KVFormat]) -> list[Shape]:
     return out
 
 
-def check(out: torch.Tensor, ref: torch.Tensor, fmt: KVFormat, loud: bool):
-    """The sweep's gate; for a loud cache with its atol scaled by LOUD (module docstring)."""
-    from dataclasses import replace
-
-    from mla_tune.problem.verify import check as gate
-    from mla_tune.problem.verify import tolerance_for
-
-    tol = tolerance_for(fmt)
-    return gate(out, ref, replace(tol, atol=tol.atol * LOUD) if loud else tol)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="cuda")
@@ -93,7 +83,7 @@ def main() -> int:
                 try:
                     out = backend.build(shape, config, dev)(data)
                     torch.cuda.synchronize()
-                    res = check(out, ref, shape.kv_format, loud)
+                    res = benchkit.check(out, ref, shape.kv_format, LOUD if loud else 1.0)
                     row.update(ok=res.ok, max_abs_err=res.max_abs_err,
                                mismatch_frac=res.mismatch_frac, reason=res.reason)
                 except Exception as e:  # noqa: BLE001 - reported per run
@@ -102,7 +92,8 @@ def main() -> int:
                 bad += not row["ok"]
                 worst = max(worst, row.get("max_abs_err") or 0.0)
                 if not row["ok"]:
-                    print(f"WRONG {shape.label()} loud={loud} {config}: {row['reason']}", flush=True)
+                    print(f"WRONG {shape.label()} loud={loud} {config}: {row['reason']}",
+                          flush=True)
             if sink:
                 sink.write(json.dumps(row) + "\n")
         print(f"{shape.label():32s} ragged={shape.is_ragged!s:5s} loud={loud!s:5s} "
