@@ -257,6 +257,28 @@ def _gpu_steps(dev: torch.device, n: int = 4) -> list[tuple[Any, ...]]:
     return steps
 
 
+class _ServerBuffers:
+    """A server's persistent tensors sized for the last (largest) of `steps`: `write(s)`
+    copies step s into them and returns the view of the page indices as long as its
+    pages."""
+
+    def __init__(self, steps: list[tuple[Any, ...]], dev: torch.device) -> None:
+        self.steps = steps
+        q, pool, idx, ptr, lens = steps[-1]
+        self.q, self.pool = q.clone(), torch.zeros_like(pool)
+        self.idx, self.ptr, self.lens = (torch.zeros_like(t) for t in (idx, ptr, lens))
+        self.qo = torch.arange(4, dtype=torch.int32, device=dev)
+
+    def write(self, s: int) -> torch.Tensor:
+        q, c, i, p, n = self.steps[s]
+        self.q.copy_(q)
+        self.pool[:c.shape[0]].copy_(c)
+        self.idx.zero_()[:i.numel()].copy_(i)
+        self.ptr.copy_(p)
+        self.lens.copy_(n)
+        return self.idx[:i.numel()]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 def test_cuda_graph_replay_matches_eager_across_steps() -> None:
     """Direct reads: the graph replays the captured tensors, each step written into them;
@@ -310,30 +332,20 @@ def test_graph_launches_replay_what_eager_launches_compute() -> None:
     """Steps written into the same tensors: the second run captures, later runs replay a
     graph, outputs equal a wrapper launching eagerly; new addresses launch eagerly."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    steps = _gpu_steps(dev)
-    q_buf, pool = steps[-1][0].clone(), torch.zeros_like(steps[-1][1])
-    idx_buf = torch.zeros_like(steps[-1][2])
-    ptr_buf, lens_buf = torch.zeros_like(steps[-1][3]), torch.zeros_like(steps[-1][4])
-    qo = torch.arange(4, dtype=torch.int32, device=dev)
+    buf = _ServerBuffers(_gpu_steps(dev), dev)
     outs = []
     for graphs in (True, False):
         w = MLADecodeWrapper("bf16", 16, 1, 16, dev, dispatcher=Dispatcher([], dev),
                              graph_launches=graphs)
         got = []
         for s in (0, 1, 2, 3, 3, 2):
-            q, c, i, p, n = steps[s]
-            q_buf.copy_(q)
-            pool[:c.shape[0]].copy_(c)
-            idx_buf.zero_()[:i.numel()].copy_(i)
-            ptr_buf.copy_(p)
-            lens_buf.copy_(n)
-            w.plan(qo, ptr_buf, idx_buf[:i.numel()], lens_buf, check=False)
-            got.append(w.run(q_buf, pool).clone())
+            w.plan(buf.qo, buf.ptr, buf.write(s), buf.lens, check=False)
+            got.append(w.run(buf.q, buf.pool).clone())
         graphed = w._route.graphed
         if graphs:
             assert graphed is not None and graphed.captures == 1
-            w.plan(qo, ptr_buf.clone(), idx_buf.clone(), lens_buf.clone(), check=False)
-            assert torch.equal(w.run(q_buf, pool), got[-1])  # other tensors: eager
+            w.plan(buf.qo, buf.ptr.clone(), buf.idx.clone(), buf.lens.clone(), check=False)
+            assert torch.equal(w.run(buf.q, buf.pool), got[-1])  # other tensors: eager
             assert graphed.captures == 1
         else:
             assert graphed is None
@@ -407,32 +419,23 @@ def test_plan_with_the_same_tensors_reads_their_new_contents() -> None:
     step: outputs equal those of new tensors each step, and a plan with other tensors in
     between is taken in full."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    steps = _gpu_steps(dev)
-    q_buf, pool = steps[-1][0].clone(), torch.zeros_like(steps[-1][1])
-    idx_buf = torch.zeros_like(steps[-1][2])
-    ptr_buf, lens_buf = torch.zeros_like(steps[-1][3]), torch.zeros_like(steps[-1][4])
-    qo = torch.arange(4, dtype=torch.int32, device=dev)
+    buf = _ServerBuffers(_gpu_steps(dev), dev)
+    qo, ptr, idx, lens = buf.qo, buf.ptr, buf.idx, buf.lens
     same = MLADecodeWrapper("bf16", 16, 1, 16, dev, dispatcher=Dispatcher([], dev))
     viewed = MLADecodeWrapper("bf16", 16, 1, 16, dev, dispatcher=Dispatcher([], dev))
     fresh = MLADecodeWrapper("bf16", 16, 1, 16, dev, dispatcher=Dispatcher([], dev))
     for s in (0, 1, 2, 3, 1):
-        q, c, i, p, n = steps[s]
-        q_buf.copy_(q)
-        pool[:c.shape[0]].copy_(c)
-        idx_buf.zero_()[:i.numel()].copy_(i)
-        ptr_buf.copy_(p)
-        lens_buf.copy_(n)
-        same.plan(qo, ptr_buf, idx_buf, lens_buf, check=False)
-        got = same.run(q_buf, pool).clone()
-        fresh.plan(qo.clone(), ptr_buf.clone(), idx_buf.clone(), lens_buf.clone(), check=False)
-        assert torch.equal(got, fresh.run(q_buf, pool))
+        pages = buf.write(s)
+        same.plan(qo, ptr, idx, lens, check=False)
+        got = same.run(buf.q, buf.pool).clone()
+        fresh.plan(qo.clone(), ptr.clone(), idx.clone(), lens.clone(), check=False)
+        assert torch.equal(got, fresh.run(buf.q, buf.pool))
         # A new view of the page-index buffer each step, as long as the step's pages.
-        viewed.plan(qo, ptr_buf, idx_buf[:i.numel()], lens_buf, check=False)
-        got_view = viewed.run(q_buf, pool).clone()
-        fresh.plan(qo.clone(), ptr_buf.clone(), i.clone(), lens_buf.clone(), check=False)
-        assert torch.equal(got_view, fresh.run(q_buf, pool))
+        viewed.plan(qo, ptr, pages, lens, check=False)
+        got_view = viewed.run(buf.q, buf.pool).clone()
+        fresh.plan(qo.clone(), ptr.clone(), pages.clone(), lens.clone(), check=False)
+        assert torch.equal(got_view, fresh.run(buf.q, buf.pool))
         if s == 2:  # other tensors in between, then the buffers again
-            same.plan(qo.clone(), ptr_buf.clone(), idx_buf.clone(), lens_buf.clone(),
-                      check=False)
-            same.plan(qo, ptr_buf, idx_buf, lens_buf, check=False)
-            assert torch.equal(same.run(q_buf, pool), got)
+            same.plan(qo.clone(), ptr.clone(), idx.clone(), lens.clone(), check=False)
+            same.plan(qo, ptr, idx, lens, check=False)
+            assert torch.equal(same.run(buf.q, buf.pool), got)
