@@ -57,7 +57,9 @@ synchronization, unless `plan(..., check=False)` says they were checked already 
 loops under `torch.cuda.set_sync_debug_mode("error")` or CUDA graphs). Such a plan with
 the very tensor objects of the previous plan, at the same addresses (a server's persistent
 buffers, rewritten each step), has nothing to do and returns after comparing them: the
-kernels read the new contents on the device. It trusts that those tensors kept their shape
+kernels read the new contents on the device; with those very qo_indptr, kv_lens and
+kv_indptr and a new kv_indices (a view of a page-index buffer as long as the step's pages),
+only the new tensor is queried. It trusts that those tensors kept their shape
 and dtype: after an in-place change of their metadata (`resize_`, `set_`), plan with
 check=True or with new tensors. The returned output
 is the runner's own buffer, overwritten by the next `run` of its bucket: copy what you
@@ -174,6 +176,8 @@ class MLADecodeWrapper:
         self._kv_class = self.router.edges.kv_class
         self._seen: tuple[torch.Tensor, ...] = ()
         """The metadata tensors of the last direct fast-path plan (the next one may skip)."""
+        self._seen_batch = 0
+        """The batch of that plan."""
 
     @property
     def builds(self) -> int:
@@ -248,9 +252,12 @@ class MLADecodeWrapper:
         takes (each costs host time): direct reads, or with `use_cuda_graph` one copy
         launch. False: take the general path (which explains any refusal)."""
         seen = self._seen
-        if seen and qo is seen[0] and lens is seen[1] and ptr is seen[2] and idx is seen[3] \
-                and (qo.data_ptr(), lens.data_ptr(), ptr.data_ptr(), idx.data_ptr()) == self._key:
-            return True  # the last plan's tensors, unmoved: its state stands (module docstring)
+        if seen and qo is seen[0] and lens is seen[1] and ptr is seen[2]:
+            if idx is seen[3] and (qo.data_ptr(), lens.data_ptr(), ptr.data_ptr(),
+                                   idx.data_ptr()) == self._key:
+                return True  # the last plan's tensors, unmoved: its state stands
+            if self._plan_new_indices(qo, lens, ptr, idx):
+                return True
         dev = self._dev
         try:
             if not (lens.dtype is _I32 and idx.dtype is _I32 and ptr.dtype is _I32
@@ -285,7 +292,7 @@ class MLADecodeWrapper:
             if route.captured and key not in route.captured:
                 return False
             self._bound, self._ptrs, self._key = (qo, lens, ptr, idx), key, key
-            self._seen = self._bound
+            self._seen, self._seen_batch = self._bound, batch
         else:
             planner = self._planner()
             if planner is None:
@@ -295,6 +302,33 @@ class MLADecodeWrapper:
                                 bptrs[2], bptrs[0], batch, nnz)
             self._bound, self._ptrs, self._key = bufs, bptrs, ()
         self._max_page, self._max_len, self._nnz, self._route = -1, total, nnz, route
+        return True
+
+    def _plan_new_indices(self, qo: Any, lens: Any, ptr: Any, idx: Any) -> bool:
+        """The fast path of a plan whose qo_indptr, kv_lens and kv_indptr are the last
+        direct plan's tensor objects, unmoved, and whose kv_indices is new (a server's
+        page-index buffer passed as a view as long as the step's pages: a new object every
+        step): only the new tensor is queried. False: take the whole fast path."""
+        key = self._key
+        if (qo.data_ptr(), lens.data_ptr(), ptr.data_ptr()) != key[:3]:
+            return False
+        try:
+            if idx.dtype is not _I32 or idx.get_device() != self._dev:
+                return False
+            (nnz,) = idx.shape
+        except (AttributeError, ValueError):
+            return False
+        idx_ptr = idx.data_ptr()
+        route = self._sized.get((self._seen_batch, nnz))
+        if route is None or idx_ptr & 15 or not idx.is_contiguous():
+            return False
+        new_key = (key[0], key[1], key[2], idx_ptr)
+        if route.captured and new_key not in route.captured:
+            return False
+        self._bound, self._ptrs, self._key = (qo, lens, ptr, idx), new_key, new_key
+        self._seen = self._bound
+        self._max_page, self._max_len, self._nnz, self._route = -1, nnz * self.page_size, \
+            nnz, route
         return True
 
     def _bad_meta(self, meta: tuple) -> None:
