@@ -24,9 +24,9 @@ PATCHES = [
     probed_kernel.register_readers({"_gtime": ("globaltimer", 64), "_smid": ("smid", 32)}),
     probed_kernel.at_program_start("t0 = _gtime(pid_m)"),
     ("""            desc_r = KV_DESC_R
-        if PAGED == 2:""", """            desc_r = KV_DESC_R
+        if (PAGED == 2) and (TMA != 0):""", """            desc_r = KV_DESC_R
         tl.store(dbg + 3, _gtime(tl.max(row_scale, 0) + lo))
-        if PAGED == 2:"""),
+        if (PAGED == 2) and (TMA != 0):"""),
     probed_kernel.at_loop_end("tl.store(dbg + 4, _gtime(tl.max(l_i, 0)))"),
     probed_kernel.at_program_end(["tl.store(dbg + 1, _gtime(pid_m))", "tl.store(dbg + 0, t0)",
                                   "tl.store(dbg + 2, _smid(pid_m).to(tl.int64))"]),

@@ -104,8 +104,9 @@ def variant_feasible(kv_format: str, kv_lens: tuple[int, ...], q_len: int, heads
     if not converts_fp8 and str(config.get("fp8_convert", "staged")) != "staged":
         return False  # the knob only exists for fp8 KV on 16-bit MMAs
     kv_load = str(config.get("kv_load", "pointer"))
+    pages = variant_page_size(page_size, config)
     if kv_load in ("tma", "tma_host") and (
-            variant_page_size(page_size, config) > 1 or not (
+            (pages > 1 and not (balanced and pages >= block_n)) or not (
                 kv_format == "bf16" or (kv_format == "fp8" and str(config["compute"]) == "fp8"))):
         return False  # see kv_load in configs/backends/triton.toml
     if kv_load == "tma_host" and (balanced or q_len != 1 or any(L % block_n for L in kv_lens)):

@@ -66,8 +66,9 @@ slots hold them all. A sequence inside one program's run is written directly.
 Each sequence also counts `seg_cost` blocks of setup at its start, so a program whose run
 starts a sequence gets fewer keys. SCHED_TOKENS reads the contiguous cache (KV_INDPTR:
 cumulative tokens); SCHED_PAGED reads FlashInfer's paged metadata as servers hold it
-(KV_INDPTR: per-sequence lengths; PAGE_TBL: page indices, PAGED == PAGE_INDEX) through
-pointer loads, each tile's page indices loaded one tile ahead.
+(KV_INDPTR: per-sequence lengths; PAGE_TBL: page indices, PAGED == PAGE_INDEX), each tile's
+page indices loaded one tile ahead: through TMA where a tile lies inside a page (pages of
+at least BLOCK_N keys; _attend_paged_tma), else through pointer loads.
 
 Causality: query j of a sequence with q_len queries and kv length L sees keys
 [0, L - q_len + j].
@@ -104,6 +105,9 @@ D_ROPE = tl.constexpr(64)
 D_QK = tl.constexpr(576)
 LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(448.0)
+POOL_PAGES_BOUND = tl.constexpr(2**31 - 1)
+"""The page bound of descriptors over a page pool, whose size the kernel is not given:
+every page they read is one of the table's (inside the pool: checked at plan)."""
 MERGE_CHUNKS = tl.constexpr(16)
 """Programs per (row block, sequence) in the second-launch merge, each on 512/16 dims."""
 LAZY_TAU = tl.constexpr(8.0)
@@ -403,7 +407,7 @@ def _dims_interleaved(x):
     the A operand of a transposed P V (warp w, lane group g, eight 64-row blocks i, two
     halves h) are then 16 consecutive dims, one 16-byte read of each key's row. See "fp8
     P V" in the module docstring."""
-    R: tl.constexpr = x.shape[0]
+    R: tl.constexpr = x.numel // D_NOPE  # (x may be [1, R, 512])
     x = tl.reshape(x, [R, 4, 8, 8, 2])
     x = tl.permute(x, (0, 3, 1, 4, 2))
     return tl.reshape(x, [R, D_NOPE])
@@ -423,9 +427,11 @@ def _dims_natural(x):
 @triton.jit
 def _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT, qrT, row_scale, limit, m_i,
                  l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
-                 UPCAST: tl.constexpr, STAGED: tl.constexpr):
+                 UPCAST: tl.constexpr, STAGED: tl.constexpr, kv_raw=None):
     """One bf16 or fp8 KV tile (`kn_raw` [BLOCK_N, 512], `kr_raw` [BLOCK_N, 64] as stored,
-    tokens `offs_n`, `n_ok` in range) of the online softmax; returns (m_i, l_i, acc)."""
+    tokens `offs_n`, `n_ok` in range) of the online softmax; returns (m_i, l_i, acc).
+    `kv_raw` (fp8 compute): the values' tile in another shape ([1, BLOCK_N, 512], a box of
+    a 3-D descriptor), so the MMA reads `kn_raw`, its reshape, from shared memory."""
     if COMPUTE == 3:
         # e4m3 QK^T on the tile as stored; only the values are converted, to fp16.
         kn = _mma_operand(kn_raw, 2, UPCAST)
@@ -457,7 +463,10 @@ def _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT, qrT, row_scale, l
         kr = _mma_operand(kr_raw, COMPUTE, UPCAST)
         kv = kn
         if COMPUTE == 2:
-            kv = _dims_interleaved(kn)
+            if kv_raw is None:
+                kv = _dims_interleaved(kn)
+            else:
+                kv = _dims_interleaved(_mma_operand(kv_raw, COMPUTE, UPCAST))
     # Transposed products (keys and value dims as the MMA's M side, query rows as N): the
     # KV tile is the A operand straight from shared memory, and a handful of query rows
     # only set N, so the accumulator stays small and Hopper can use wgmma. Below 64 keys
@@ -559,6 +568,64 @@ def _attend_paged(KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT, qr
                 KV, PAGE_TBL, pg_start, page_shift, ent, n0, hi, sc_stride, qnT, qrT,
                 row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE, BLOCK_N,
                 UPCAST, STAGED)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _paged_tma_tile(desc_n, desc_r, page, n0, hi, page_shift, sc_stride, qnT, qrT, row_scale,
+                    limit, m_i, l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr,
+                    COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                    STAGED: tl.constexpr):
+    """The tile of keys [n0, min(n0 + BLOCK_N, hi)) of a paged sequence, in page `page`,
+    through TMA over the pool as (pages, page rows, 576). A partial last tile is loaded
+    as the box ending at its last key: the box's first rows are then earlier keys of the
+    page (masked) or, before the page's first row, outside the descriptor (zeros), never
+    the rows past the sequence's end, which may hold anything (NaN included)."""
+    shift = tl.maximum(n0 + BLOCK_N - hi, 0)
+    r = (n0 & ((1 << page_shift) - 1)) - shift
+    kn = desc_n.load([page, r, 0])
+    kr = desc_r.load([page, r, D_NOPE]).reshape([BLOCK_N, D_ROPE])
+    i = tl.arange(0, BLOCK_N)
+    return _attend_tile(kn.reshape([BLOCK_N, D_NOPE]), kr, n0 - shift + i, i >= shift,
+                        sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain,
+                        KV_FMT, COMPUTE, UPCAST, STAGED, kn)
+
+
+@triton.jit
+def _attend_paged_tma(KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT, qrT,
+                      row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr,
+                      COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                      STAGED: tl.constexpr):
+    """Keys [lo, hi) of an fp8 sequence whose pages PAGE_TBL lists by index, pages of at
+    least BLOCK_N keys (a tile, aligned to BLOCK_N, lies in one page): tiles through TMA
+    (_paged_tma_tile), one page index per tile, loaded one tile ahead so the table load
+    is not in the dependency chain of the tile's load."""
+    P = 1 << page_shift
+    desc_n = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK], [P * D_QK, D_QK, 1],
+                                       [1, BLOCK_N, D_NOPE])
+    desc_r = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK], [P * D_QK, D_QK, 1],
+                                       [1, BLOCK_N, D_ROPE])
+    page = tl.load(PAGE_TBL + pg_start + (lo >> page_shift))
+    if UPCAST:
+        n0 = lo
+        while n0 < hi:  # the interpreter cannot range() over loaded bounds
+            nn = n0 + BLOCK_N
+            nxt = tl.load(PAGE_TBL + pg_start + (nn >> page_shift), mask=nn < hi, other=0)
+            m_i, l_i, acc = _paged_tma_tile(desc_n, desc_r, page, n0, hi, page_shift,
+                                            sc_stride, qnT, qrT, row_scale, limit, m_i, l_i,
+                                            acc, lazy, p_gain, KV_FMT, COMPUTE, BLOCK_N,
+                                            UPCAST, STAGED)
+            page = nxt
+            n0 = nn
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            nn = n0 + BLOCK_N
+            nxt = tl.load(PAGE_TBL + pg_start + (nn >> page_shift), mask=nn < hi, other=0)
+            m_i, l_i, acc = _paged_tma_tile(desc_n, desc_r, page, n0, hi, page_shift,
+                                            sc_stride, qnT, qrT, row_scale, limit, m_i, l_i,
+                                            acc, lazy, p_gain, KV_FMT, COMPUTE, BLOCK_N,
+                                            UPCAST, STAGED)
+            page = nxt
     return m_i, l_i, acc
 
 
@@ -707,7 +774,7 @@ def _attend_rows(
         acc = tl.zeros([D_NOPE, BLOCK_M], tl.float32)
         desc_n = KV
         desc_r = KV
-        if TMA == 1:
+        if (TMA == 1) and (PAGED != 2):  # (paged: _attend_paged_tma makes its own)
             # Bounded at the split's end: see "KV loads" in the module docstring.
             end = (kv_start + hi).to(tl.int32)
             desc_n = tl.make_tensor_descriptor(KV, [end, D_QK], [D_QK, 1],
@@ -717,7 +784,12 @@ def _attend_rows(
         elif TMA == 2:
             desc_n = KV_DESC_N
             desc_r = KV_DESC_R
-        if PAGED == 2:
+        if (PAGED == 2) and (TMA != 0):
+            m_i, l_i, acc = _attend_paged_tma(
+                KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT, qrT, row_scale,
+                limit, m_i, l_i, acc, fast, p_gain, KV_FMT, COMPUTE, BLOCK_N, UPCAST,
+                FP8_STAGED)
+        elif PAGED == 2:
             m_i, l_i, acc = _attend_paged(
                 KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT, qrT, row_scale,
                 limit, m_i, l_i, acc, fast, p_gain, KV_FMT, COMPUTE, BLOCK_N, UPCAST,
@@ -1292,9 +1364,11 @@ class BalancedLauncher:
         self.target = device_target(device)
         nvidia = self.target.startswith("cuda")
         # Contiguous: per-program descriptors ('tma_host' shares one pair of descriptors,
-        # whose tiles could run past a ragged sequence's end). Paged: pointer loads.
+        # whose tiles could run past a ragged sequence's end). Paged: per-program
+        # descriptors over the pool where a tile lies inside a page, else pointer loads.
         if sched == SCHED_PAGED:
-            cfg = replace(cfg, kv_load="pointer", page_size=1)
+            tma = cfg.tma() and page_size >= cfg.block_n
+            cfg = replace(cfg, kv_load="tma" if tma else "pointer", page_size=1)
         elif cfg.kv_load == "tma_host":
             cfg = replace(cfg, kv_load="tma")
         self.cfg = cfg

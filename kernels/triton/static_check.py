@@ -41,11 +41,13 @@ compiled kernel serves every such batch."""
 
 
 def balanced_config(cfg: md.KernelConfig, sched: int) -> md.KernelConfig:
-    """`cfg` as a BalancedLauncher runs it under `sched`: a page pool is read with pointer
-    loads through page indices, 'tma_host' runs as per-program descriptors ('tma').
+    """`cfg` as a BalancedLauncher runs it under `sched`: 'tma_host' runs as per-program
+    descriptors ('tma'); a page pool of `cfg.page_size`-key pages is read through TMA where
+    a tile lies inside a page, else with pointer loads through page indices.
     (tests/kernels/test_static_check.py checks this against BalancedLauncher itself.)"""
     if sched == md.SCHED_PAGED:
-        return replace(cfg, kv_load="pointer", page_size=1)
+        tma = cfg.tma() and cfg.page_size >= cfg.block_n
+        return replace(cfg, kv_load="tma" if tma else "pointer", page_size=1)
     if cfg.kv_load == "tma_host":
         return replace(cfg, kv_load="tma")
     return cfg

@@ -81,12 +81,12 @@ def winner_pages(page_size: int) -> tuple[int, ...]:
     return (page_size, 1) if page_size != 1 else (1,)
 
 
-def bucket_config(backend: str, config: Mapping[str, Any], *,
-                  paged: bool) -> dict[str, Any] | None:
+def bucket_config(backend: str, config: Mapping[str, Any]) -> dict[str, Any] | None:
     """`config` made independent of the lengths, or None when the family has no bucket
     build: Triton's `kv_load='tma_host'` needs every length a multiple of the tile and
-    runs as `'tma'` (per-program descriptors, the same tiles) on a contiguous cache; paged
-    reads use pointer loads; the page-size knob is 1 (contiguous: direct rows, since a
+    runs as `'tma'` (per-program descriptors, the same tiles); from a page pool the
+    runner takes TMA tiles where a tile lies inside a page and pointer loads otherwise
+    (BalancedLauncher); the page-size knob is 1 (contiguous: direct rows, since a
     page table from the knob would fix the lengths; paged: the call's own page size,
     which the shape carries). Every other knob is kept: `seg_cost` is the bucket
     runner's own (the balanced schedule's setup charge per sequence)."""
@@ -94,9 +94,7 @@ def bucket_config(backend: str, config: Mapping[str, Any], *,
         return None
     out = dict(config)
     if backend == "triton":
-        if paged:
-            out["kv_load"] = "pointer"
-        elif out.get("kv_load") == "tma_host":
+        if out.get("kv_load") == "tma_host":
             out["kv_load"] = "tma"
         out["page_size"] = 1
     return out

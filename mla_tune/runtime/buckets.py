@@ -356,7 +356,7 @@ class BucketRouter:
 
         def add(backend: str, config: Mapping[str, Any], reason: str, detail: str,
                 tuned_us: float | None = None, tuned: Shape | None = None) -> None:
-            cfg = bucket_config(backend, config, paged=paged)
+            cfg = bucket_config(backend, config)
             if cfg is None:
                 return
             fam = d._family(backend)

@@ -367,7 +367,7 @@ class SubmissionRouter:
         seen: set[str] = set()
 
         def add(config: dict, reason: str, detail: str) -> None:
-            cfg = bucket_config("triton", config, paged=False)
+            cfg = bucket_config("triton", config)
             if cfg is None or not self._triton_runs(fmt) \
                     or not variant_feasible(fmt, rep, q_len, heads, 1, cfg, balanced=True) \
                     or self.trust(config, fmt, rep, batch, q_len, heads) is None \

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 from mla_tune.backends.triton_family import TritonFamily, kernel_config
@@ -57,8 +58,11 @@ def balanced_variants() -> list[tuple[md.KernelConfig, int]]:
     seen: dict[tuple, tuple[md.KernelConfig, int]] = {}
     for cfg in _configs(lambda f: Shape(2, (8192, 8000), heads=128, kv_format=f),
                         num_splits=1, pdl=True):
-        for sched in (md.SCHED_TOKENS, md.SCHED_PAGED):
-            seen.setdefault(static_check.compiled_key(cfg, sched=sched), (cfg, sched))
+        # Paged: pools of single-key pages (pointer loads) and of 64-key pages (TMA
+        # where the config loads through TMA; static_check.balanced_config).
+        for c, sched in ((cfg, md.SCHED_TOKENS), (cfg, md.SCHED_PAGED),
+                         (replace(cfg, page_size=64), md.SCHED_PAGED)):
+            seen.setdefault(static_check.compiled_key(c, sched=sched), (c, sched))
     return list(seen.values())
 
 

@@ -92,6 +92,19 @@ def test_seg_cost_is_a_knob_only_of_the_balanced_schedule():
     assert all(c["page_size"] == 1 for c in fam.candidates(ragged, cuda))
 
 
+def test_tma_reads_a_page_pool_only_in_the_balanced_runner_with_pages_of_a_tile():
+    # The balanced runner takes TMA tiles from pages of at least a tile; per-sequence
+    # splits over a page table, and pages shorter than a tile, keep pointer loads.
+    fam, cuda = TritonFamily(), torch.device("cuda")
+    for page, block_n, tma in ((64, 64, True), (64, 32, True), (16, 32, False)):
+        ragged = Shape(batch=3, kv_lens=(1000, 300, 517), page_size=page, kv_format="fp8")
+        loads = {c["kv_load"] for c in fam.candidates(ragged, cuda)
+                 if c["block_n"] == block_n and c["compute"] == "fp8"}
+        assert ("tma" in loads) == tma and "tma_host" not in loads and "pointer" in loads
+    uniform = Shape.uniform(4, 1024, page_size=64, kv_format="fp8")
+    assert {c["kv_load"] for c in fam.candidates(uniform, cuda)} == {"pointer"}
+
+
 def test_configs_stored_before_a_knob_validate_to_its_default():
     from mla_tune.backends.triton_family import kernel_config
     from mla_tune.kernels.triton.launch import variant_seg_cost

@@ -46,7 +46,14 @@ CASES: dict[str, tuple[str, tuple[int, ...], int, int, dict[str, Any], dict[str,
     "paged_bf16_p64_fused": ("bf16", (37, 300, 5, 130), 1, 64, dict(programs=4),
                              dict(block_n=32, fast_mode=True)),
     "paged_bf16_p16_q4_fused": ("bf16", (40, 180, 19), 4, 16, dict(programs=5),
-                                dict(block_n=32, fast_mode=True)),
+                                dict(block_n=32, fast_mode=True, kv_load="tma")),
+    # TMA tiles from the pool: partial last tiles mid-page (37, 300) and at a page's
+    # start (70, 129), runs crossing sequences, causal rows.
+    "paged_bf16_p64_q4_tma": ("bf16", (37, 300, 70, 129), 4, 64, dict(programs=5),
+                              dict(block_n=32, kv_load="tma")),
+    "paged_fp8_fp8_p32_tma_fused": ("fp8", (37, 300, 70, 129), 1, 32, dict(programs=3),
+                                    dict(compute="fp8", block_n=32, kv_load="tma",
+                                         fast_mode=True)),
     "paged_fp8_fp8_p64_q4": ("fp8", (60, 250, 17), 4, 64, dict(programs=3),
                              dict(compute="fp8", block_n=64, kv_load="tma_host")),
     "paged_fp8_bf16_p16": ("fp8", (60, 150, 33), 1, 16, dict(programs=4),
@@ -72,8 +79,10 @@ def test_balanced_schedule_matches_reference(results: dict[str, dict], name: str
     assert r["finite"], r  # paged: NaN in every unused slot of the pool is never read
     bound = BOUND.get(fmt) or (0.08 if cfg.get("compute") == "fp8" else 0.02)
     assert r["err"] <= bound, r
-    if page:
-        assert r["tma"] == 0, r  # paged reads are pointer loads, whatever the config says
+    if page:  # TMA tiles where a tile lies inside a page, else pointer loads
+        tma = cfg.get("kv_load", "pointer") != "pointer" and fmt != "mxfp4" and \
+            page >= cfg["block_n"]
+        assert r["tma"] == (1 if tma else 0), r
 
 
 def test_a_launcher_serves_other_lengths_of_its_batch(results: dict[str, dict]) -> None:

@@ -76,15 +76,14 @@ def test_bucket_of_uses_the_mean_and_a_middle_representative() -> None:
 
 
 def test_bucket_config_makes_tuned_configs_length_independent() -> None:
+    """'tma_host' runs as per-program descriptors (on a page pool too: the runner picks
+    TMA or pointer loads by page size), the page-size knob is 1, other knobs stay."""
     tuned = {"kv_load": "tma_host", "page_size": 1, "num_splits": 8}
-    assert bucket_config("triton", tuned, paged=False)["kv_load"] == "tma"
-    assert bucket_config("triton", tuned, paged=True)["kv_load"] == "pointer"
-    assert bucket_config("triton", {"kv_load": "pointer", "page_size": 16},
-                         paged=False)["page_size"] == 1
-    assert bucket_config("torch", TORCH_CFG, paged=True) == TORCH_CFG
-    assert bucket_config("flashinfer", {"page_size": 64}, paged=True) is None
-    for paged in (False, True):  # the bucket runner's own knob is kept
-        assert bucket_config("triton", {**tuned, "seg_cost": 4}, paged=paged)["seg_cost"] == 4
+    assert bucket_config("triton", tuned)["kv_load"] == "tma"
+    assert bucket_config("triton", {"kv_load": "pointer", "page_size": 16})["page_size"] == 1
+    assert bucket_config("torch", TORCH_CFG) == TORCH_CFG
+    assert bucket_config("flashinfer", {"page_size": 64}) is None
+    assert bucket_config("triton", {**tuned, "seg_cost": 4})["seg_cost"] == 4
     assert winner_pages(64) == (64, 1) and winner_pages(1) == (1,)
 
 

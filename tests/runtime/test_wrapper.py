@@ -21,9 +21,11 @@ LENS = (37, 130, 70)
 
 
 def paged_pool(kv_data: dict, lens: tuple[int, ...], page: int, fmt: str, seed: int = 0,
-               spare: int = 3) -> tuple[Any, torch.Tensor, torch.Tensor]:
+               spare: int = 3, poison: bool = False) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """The contiguous cache of `fmt` copied into pages at shuffled pool positions (plus
-    spare pages); returns (kv_cache as `run` takes it, kv_indices, kv_indptr)."""
+    spare pages); returns (kv_cache as `run` takes it, kv_indices, kv_indptr). `poison`:
+    every slot no sequence holds is NaN (bf16, fp8) or has a NaN scale (MXFP4), as a
+    server's pool may hold anything there."""
     g = torch.Generator().manual_seed(seed)
     n_pages = [-(-L // page) for L in lens]
     total = sum(n_pages) + spare
@@ -32,7 +34,11 @@ def paged_pool(kv_data: dict, lens: tuple[int, ...], page: int, fmt: str, seed: 
     width = vals.shape[-1]
     flat = torch.zeros((total * page, width), dtype=torch.float32).to(vals.dtype) \
         if fmt == "fp8" else torch.zeros((total * page, width), dtype=vals.dtype)
-    sc = torch.full((total * page, 24), 127, dtype=torch.uint8) if fmt == "mxfp4" else None
+    sc = torch.full((total * page, 24), 255 if poison else 127,
+                    dtype=torch.uint8) if fmt == "mxfp4" else None
+    if poison and fmt != "mxfp4":
+        flat.view(torch.uint8 if fmt == "fp8" else torch.int16).fill_(0x7F if fmt == "fp8"
+                                                                      else 0x7FC0)
     idx, indptr, start, k = [], [0], 0, 0
     for L, n in zip(lens, n_pages):
         for j in range(n):
@@ -51,11 +57,13 @@ def paged_pool(kv_data: dict, lens: tuple[int, ...], page: int, fmt: str, seed: 
 
 
 def wrapper_error(fmt: str, page: int, q_len: int, dispatcher: Dispatcher,
-                  lens: tuple[int, ...] = LENS, seed: int = 2) -> tuple[float, Any]:
-    """Max abs error of one plan + run against the reference; and the wrapper."""
+                  lens: tuple[int, ...] = LENS, seed: int = 2,
+                  poison: bool = False) -> tuple[float, Any]:
+    """Max abs error of one plan + run against the reference (NaN if any output is);
+    and the wrapper."""
     data = generate_input(Shape(len(lens), lens, q_len=q_len), seed=seed)
     q, kv_data, qo, kvp, config = data
-    cache, idx, ptr = paged_pool(kv_data, lens, page, fmt, seed)
+    cache, idx, ptr = paged_pool(kv_data, lens, page, fmt, seed, poison=poison)
     w = MLADecodeWrapper(fmt, 16, q_len, page, dispatcher.device, dispatcher=dispatcher)
     w.plan(qo, ptr, idx, torch.tensor(lens, dtype=torch.int32))
     out = w.run(q, cache)
@@ -325,6 +333,8 @@ def test_cuda_graph_replay_matches_eager_across_steps() -> None:
             q, c, i, p, n = steps[0]
             with pytest.raises(ValueError, match="CUDA graph captured run"):
                 w.plan(qo, p.clone(), i.clone(), n.clone(), check=False)
+            with pytest.raises(ValueError, match="CUDA graph captured run"):
+                w.plan(qo, ptr_buf, idx_buf.clone()[:i.numel()], lens_buf, check=False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="launch graphs need a CUDA GPU")
@@ -365,6 +375,7 @@ INTERP_CASES = {
     "mxfp4_p64_q1": ("mxfp4", 64, 1, ""),
     "mxfp4_p16_q4_splits": ("mxfp4", 16, 4, "triton:num_splits=2"),
 }
+"""Each runs on a pool whose unused slots are NaN (`paged_pool(poison=True)`)."""
 
 
 def _child() -> None:
@@ -372,7 +383,8 @@ def _child() -> None:
         sys.exit("run with TRITON_INTERPRET=1")
     for name, (fmt, page, q_len, force) in INTERP_CASES.items():
         os.environ["MLA_TUNE_FORCE"] = force
-        e, w = wrapper_error(fmt, page, q_len, Dispatcher([], "cpu"), lens=(37, 100, 70))
+        e, w = wrapper_error(fmt, page, q_len, Dispatcher([], "cpu"), lens=(37, 100, 70),
+                             poison=True)
         print(json.dumps({"name": name, "err": e,
                           "backend": w._route.runner.decision.backend}), flush=True)
     os.environ["MLA_TUNE_FORCE"] = ""
