@@ -1,0 +1,223 @@
+"""What reading a serving batch through a page table costs the balanced runner.
+
+For one loop of bench/serving_loop.py (batch, KV format; the shipped DB's bucket winner,
+as the task path runs it), the same compiled config and program count timed over the
+same steps' lengths in each of these layouts of the same tokens:
+- `tokens tma` / `tokens pointer`: a contiguous ragged cache (SCHED_TOKENS), TMA tiles or
+  pointer loads;
+- `paged P ordered`: FlashInfer's paged metadata (SCHED_PAGED, pointer loads through the
+  page indices) with each sequence's pages consecutive in the pool;
+- `paged P shuffled`: the same with the pages at shuffled positions (serving_loop's pools),
+  through pointer loads and, where a tile lies inside a page, through TMA.
+The paged layouts' pools hold NaN in every slot no sequence holds, so a runner that lets
+a slot past a sequence's end reach the output fails the error check.
+So the gap between the contiguous and the paged runner splits into the load method, the
+indirection and the placement. GPU time per step over the loop (CUDA events), median of
+three loops; every layout's last step is checked against the float32 reference.
+
+    python3 bench/paged_read_cost.py --batch 128 --format fp8
+    # one layout's steps only (for ncu --launch-skip/--launch-count):
+    python3 bench/paged_read_cost.py --batch 128 --format fp8 --only "paged 64 shuffled tma"
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+import benchkit  # noqa: F401 - refuses to run against another checkout
+from mla_tune.kernels.triton import mla_decode as md
+from mla_tune.problem.reference import mla_decode_reference
+from mla_tune.problem.shapes import QK_HEAD_DIM, SM_SCALE, Shape
+from mla_tune.runtime.dispatcher import Dispatcher
+from mla_tune.runtime.wrapper import MLADecodeWrapper
+from serving_loop import Loop, _cumsum, gpu_loop_us
+
+
+def ordered_pages(loop: Loop) -> list[list[int]]:
+    """Per sequence its pages (for the final step), consecutive in the pool."""
+    n_pages = [-(-(L + loop.steps) // loop.page) for L in loop.lens0]
+    first = [0] + _cumsum(n_pages)
+    return [list(range(first[b], first[b] + n)) for b, n in enumerate(n_pages)]
+
+
+def tables_of(loop: Loop, pages: list[list[int]]
+              ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per step (ptr, idx, lens) on the device, sequence b's pages being `pages[b]`."""
+    out = []
+    for lens, _, _ in loop.tables:
+        used = [-(-L // loop.page) for L in lens]
+        idx = torch.tensor([p for b, n in enumerate(used) for p in pages[b][:n]],
+                           dtype=torch.int32)
+        ptr = torch.tensor([0] + _cumsum(used), dtype=torch.int32)
+        out.append(tuple(t.to(loop.dev) for t in (ptr, idx, torch.tensor(lens, dtype=torch.int32))))
+    return out
+
+
+def poisoned_pool(loop: Loop, pages: list[list[int]]) -> Any:
+    """`loop`'s pool (as `run` takes it) with NaN in every slot that no step's sequence
+    holds, sequence b's pages being `pages[b]`: the tails of last pages, the other pages. A runner that lets them reach the output
+    (0 * NaN) fails the error check."""
+    flat = loop.flat.clone().view(-1, QK_HEAD_DIM)
+    used = torch.zeros(flat.shape[0], dtype=torch.bool)
+    for b, pg in enumerate(pages):
+        rows = (torch.tensor(pg)[:, None] * loop.page + torch.arange(loop.page)).reshape(-1)
+        used[rows[:loop.lens0[b] + loop.steps]] = True
+    bad = (~used).to(flat.device)
+    if loop.fmt == "bf16":
+        flat[bad] = float("nan")
+        return flat.view(-1, loop.page, QK_HEAD_DIM)
+    flat.view(torch.uint8)[bad] = 0x7F  # e4m3fn NaN
+    return flat.view(-1, loop.page, QK_HEAD_DIM), loop.cache[1]
+
+
+def paged_reference(lp: Loop, ptr: torch.Tensor, idx: torch.Tensor,
+                    lens: torch.Tensor) -> torch.Tensor:
+    """The float32 reference of one paged step: its pages gathered in table order."""
+    rows = []
+    for b, L in enumerate(lens.tolist()):
+        pg = idx[int(ptr[b]):int(ptr[b + 1])].long()
+        r = (pg[:, None] * lp.page + torch.arange(lp.page, device=lp.dev)).reshape(-1)
+        rows.append(r[:L])
+    kv = lp.flat[torch.cat(rows)]
+    entry = kv if lp.fmt == "bf16" else (kv, lp.cache[1])
+    kvp = torch.tensor([0] + _cumsum(lens.tolist()), dtype=torch.int32, device=lp.dev)
+    return mla_decode_reference(lp.q, {lp.fmt: entry}, lp.qo, kvp,
+                                Shape(lp.batch, tuple(lens.tolist())).task_config(),
+                                kv_format=lp.fmt)
+
+
+def task_launcher(loop: Loop, disp: Dispatcher) -> md.BalancedLauncher:
+    """The balanced launcher the task path runs for this loop (its bucket winner)."""
+    from mla_tune.runtime.buckets import router_for
+
+    router = router_for(disp)
+    disp.run(loop.tasks[0])
+    runner = next(reversed(router._task.values())).runner
+    launcher = getattr(runner, "launcher", None)
+    if launcher is None and loop.dev.type != "cuda":
+        # No GPU: the winners are not this machine's; a small config exercises the script.
+        compute = "fp8" if loop.fmt == "fp8" else "bf16"
+        cfg = md.KernelConfig(kv_format=loop.fmt, compute=compute, block_n=32,
+                              num_splits=1, fast_mode=True, kv_load="tma")
+        launcher = md.BalancedLauncher(cfg, heads=16, q_len=1, batch=loop.batch,
+                                       device=loop.dev, sched=md.SCHED_TOKENS,
+                                       sm_scale=SM_SCALE)
+    if launcher is None:
+        raise SystemExit(f"the task path runs {runner.decision.describe()}, not a balanced "
+                         "launcher: nothing to compare")
+    return launcher
+
+
+def build(base: md.BalancedLauncher, cfg: md.KernelConfig, loop: Loop, sched: int,
+          page: int) -> md.BalancedLauncher:
+    """A launcher of `cfg` with `base`'s program count, setup charge and merge mode."""
+    L = md.BalancedLauncher(cfg, heads=16, q_len=1, batch=loop.batch, device=loop.dev,
+                            sched=sched, page_size=page, sm_scale=SM_SCALE,
+                            programs=base.programs, merge=base.merge, seg_cost=base.seg_cost)
+    L.prepare()
+    return L
+
+
+def layouts(loop: Loop, loops: dict[int, Loop], base: md.BalancedLauncher
+            ) -> dict[str, tuple[Any, Any]]:
+    """name -> (fn(step) launching that layout's runner, the float32 reference of the
+    last step)."""
+    fmt = loop.fmt
+    scale = None if fmt == "bf16" else loop.cache[1]
+    out: dict[str, Any] = {}
+    cfgs = {"tma": replace(base.cfg, kv_load="tma"),
+            "pointer": replace(base.cfg, kv_load="pointer")}
+    for name, cfg in cfgs.items():
+        T = build(base, cfg, loop, md.SCHED_TOKENS, 1)
+
+        def tokens(s: int, T: md.BalancedLauncher = T) -> torch.Tensor:
+            q, kvd, qo, kvp, _ = loop.tasks[s]
+            e = kvd[fmt]
+            return T(q, e if fmt == "bf16" else e[0], scale, None, qo, kvp)
+
+        out[f"tokens {name}"] = (tokens, mla_decode_reference(*loop.tasks[-1],
+                                                               kv_format=fmt))
+    for page, lp in loops.items():
+        pscale = None if fmt == "bf16" else lp.cache[1]
+        ordered, shuffled = ordered_pages(lp), lp.pages
+        runs = [("pointer", "ordered", ordered), ("pointer", "shuffled", shuffled)]
+        if base.cfg.tma() and page >= base.cfg.block_n:
+            runs.append(("tma", "shuffled", shuffled))
+        pools = {"ordered": poisoned_pool(lp, ordered), "shuffled": poisoned_pool(lp, shuffled)}
+        for load, order, pages in runs:
+            P = build(base, replace(base.cfg, kv_load=load), lp, md.SCHED_PAGED, page)
+            tables = tables_of(lp, pages)
+            pool = pools[order] if fmt == "bf16" else pools[order][0]
+
+            def paged(s: int, P: md.BalancedLauncher = P, tables: list = tables,
+                      pool: torch.Tensor = pool, pscale: Any = pscale,
+                      lp: Loop = lp) -> torch.Tensor:
+                ptr, idx, lens = tables[s]
+                return P(lp.q, pool, pscale, None, lp.qo, lens, ptr, idx)
+
+            out[f"paged {page} {order} {P.cfg.kv_load}"] = (paged,
+                                                          paged_reference(lp, *tables[-1]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--format", default="fp8")
+    ap.add_argument("--pages", default="1,64")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--lo", type=int, default=300)
+    ap.add_argument("--hi", type=int, default=8000)
+    ap.add_argument("--db", default="shipped")
+    ap.add_argument("--kv-load", choices=["pointer", "tma"],
+                    help="the task launcher's loads instead of its winner's")
+    ap.add_argument("--only", default="", help="run this layout's steps once, untimed (ncu)")
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type != "cuda" and a.batch > 8:
+        sys.exit("no GPU: only a small --batch runs (under Triton's interpreter)")
+    disp = Dispatcher.from_db(a.db, dev, kv_format=a.format, check_inputs=False)
+    loops = {p: Loop(a.batch, a.format, p, a.steps, a.lo, a.hi, 0, dev)
+             for p in (int(x) for x in a.pages.split(","))}
+    first = next(iter(loops.values()))
+    base = task_launcher(first, disp)
+    if a.kv_load:
+        base.cfg = replace(base.cfg, kv_load=a.kv_load)
+    # The page-64 bucket's own winner, as the wrapper runs it, for scale.
+    fns = layouts(first, loops, base)
+    if 64 in loops:
+        w = MLADecodeWrapper(a.format, 16, 1, 64, dev, dispatcher=disp)
+        lp = loops[64]
+
+        pool64 = poisoned_pool(lp, lp.pages)
+
+        def wrapper(s: int) -> torch.Tensor:
+            _, _, (ptr, idx, lens) = lp.tables[s]
+            w.plan(lp.qo, ptr, idx, lens, check=False)
+            return w.run(lp.q, pool64)
+
+        fns["wrapper page 64 (its winner)"] = (wrapper, paged_reference(lp, *lp.tables[-1][2]))
+    if a.only:
+        fn = fns[a.only][0]
+        for s in range(a.steps):
+            fn(s)
+        torch.cuda.synchronize()
+        return
+    print(f"# {a.batch} x uniform:{a.lo}-{a.hi} {a.format}, {a.steps} steps; config "
+          f"{base.cfg}, {base.programs} programs, seg_cost {base.seg_cost}, merge {base.merge}")
+    print("| layout | µs per step | max abs error, last step |")
+    print("|---|---|---|")
+    for name, (fn, ref) in fns.items():
+        fn(0)
+        us = gpu_loop_us(fn, a.steps) if dev.type == "cuda" else float("nan")
+        diff = float((fn(a.steps - 1).float() - ref).abs().max())
+        print(f"| {name} | {us:.1f} | {diff:.4f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
