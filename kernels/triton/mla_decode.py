@@ -67,8 +67,8 @@ Each sequence also counts `seg_cost` blocks of setup at its start, so a program 
 starts a sequence gets fewer keys. SCHED_TOKENS reads the contiguous cache (KV_INDPTR:
 cumulative tokens); SCHED_PAGED reads FlashInfer's paged metadata as servers hold it
 (KV_INDPTR: per-sequence lengths; PAGE_TBL: page indices, PAGED == PAGE_INDEX), each tile's
-page indices loaded one tile ahead: through TMA where a tile lies inside a page (pages of
-at least BLOCK_N keys; _attend_paged_tma), else through pointer loads.
+page indices loaded one tile ahead: through TMA where a tile lies inside a page and
+pool_tma says so (_attend_paged_tma), else through pointer loads.
 
 Causality: query j of a sequence with q_len queries and kv length L sees keys
 [0, L - q_len + j].
@@ -407,7 +407,7 @@ def _dims_interleaved(x):
     the A operand of a transposed P V (warp w, lane group g, eight 64-row blocks i, two
     halves h) are then 16 consecutive dims, one 16-byte read of each key's row. See "fp8
     P V" in the module docstring."""
-    R: tl.constexpr = x.numel // D_NOPE  # (x may be [1, R, 512])
+    R: tl.constexpr = x.shape[0]
     x = tl.reshape(x, [R, 4, 8, 8, 2])
     x = tl.permute(x, (0, 3, 1, 4, 2))
     return tl.reshape(x, [R, D_NOPE])
@@ -427,11 +427,9 @@ def _dims_natural(x):
 @triton.jit
 def _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT, qrT, row_scale, limit, m_i,
                  l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
-                 UPCAST: tl.constexpr, STAGED: tl.constexpr, kv_raw=None):
+                 UPCAST: tl.constexpr, STAGED: tl.constexpr):
     """One bf16 or fp8 KV tile (`kn_raw` [BLOCK_N, 512], `kr_raw` [BLOCK_N, 64] as stored,
-    tokens `offs_n`, `n_ok` in range) of the online softmax; returns (m_i, l_i, acc).
-    `kv_raw` (fp8 compute): the values' tile in another shape ([1, BLOCK_N, 512], a box of
-    a 3-D descriptor), so the MMA reads `kn_raw`, its reshape, from shared memory."""
+    tokens `offs_n`, `n_ok` in range) of the online softmax; returns (m_i, l_i, acc)."""
     if COMPUTE == 3:
         # e4m3 QK^T on the tile as stored; only the values are converted, to fp16.
         kn = _mma_operand(kn_raw, 2, UPCAST)
@@ -463,10 +461,7 @@ def _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT, qrT, row_scale, l
         kr = _mma_operand(kr_raw, COMPUTE, UPCAST)
         kv = kn
         if COMPUTE == 2:
-            if kv_raw is None:
-                kv = _dims_interleaved(kn)
-            else:
-                kv = _dims_interleaved(_mma_operand(kv_raw, COMPUTE, UPCAST))
+            kv = _dims_interleaved(kn)
     # Transposed products (keys and value dims as the MMA's M side, query rows as N): the
     # KV tile is the A operand straight from shared memory, and a handful of query rows
     # only set N, so the accumulator stays small and Hopper can use wgmma. Below 64 keys
@@ -583,12 +578,11 @@ def _paged_tma_tile(desc_n, desc_r, page, n0, hi, page_shift, sc_stride, qnT, qr
     the rows past the sequence's end, which may hold anything (NaN included)."""
     shift = tl.maximum(n0 + BLOCK_N - hi, 0)
     r = (n0 & ((1 << page_shift) - 1)) - shift
-    kn = desc_n.load([page, r, 0])
+    kn = desc_n.load([page, r, 0]).reshape([BLOCK_N, D_NOPE])
     kr = desc_r.load([page, r, D_NOPE]).reshape([BLOCK_N, D_ROPE])
     i = tl.arange(0, BLOCK_N)
-    return _attend_tile(kn.reshape([BLOCK_N, D_NOPE]), kr, n0 - shift + i, i >= shift,
-                        sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain,
-                        KV_FMT, COMPUTE, UPCAST, STAGED, kn)
+    return _attend_tile(kn, kr, n0 - shift + i, i >= shift, sc_stride, qnT, qrT, row_scale,
+                        limit, m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE, UPCAST, STAGED)
 
 
 @triton.jit
@@ -596,10 +590,10 @@ def _attend_paged_tma(KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT
                       row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr,
                       COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
                       STAGED: tl.constexpr):
-    """Keys [lo, hi) of an fp8 sequence whose pages PAGE_TBL lists by index, pages of at
-    least BLOCK_N keys (a tile, aligned to BLOCK_N, lies in one page): tiles through TMA
-    (_paged_tma_tile), one page index per tile, loaded one tile ahead so the table load
-    is not in the dependency chain of the tile's load."""
+    """Keys [lo, hi) of a bf16/fp8 sequence whose pages PAGE_TBL lists by index, pages of
+    at least BLOCK_N keys (a tile, aligned to BLOCK_N, lies in one page; pool_tma): tiles
+    through TMA (_paged_tma_tile), one page index per tile, loaded one tile ahead so the
+    table load is not in the dependency chain of the tile's load."""
     P = 1 << page_shift
     desc_n = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK], [P * D_QK, D_QK, 1],
                                        [1, BLOCK_N, D_NOPE])
@@ -1015,6 +1009,16 @@ class KernelConfig:
         return opts
 
 
+def pool_tma(cfg: KernelConfig, page_size: int) -> bool:
+    """Whether the balanced runner of `cfg` reads a pool of `page_size`-key pages through
+    TMA (_attend_paged_tma): a config that loads through TMA, pages of at least a tile, and
+    tiles below 64 keys, whose MMAs take their operands from registers either way. From
+    64 keys up QK^T reads K from shared memory, which the reshape of a 3-D box prevents:
+    on the H200 the fp8 page-64 buckets ran 7-9 % slower with it than with pointer loads,
+    the bf16 ones at 32 keys 4-5 % faster (bench/results/serving_loop.md)."""
+    return cfg.tma() and page_size >= cfg.block_n and cfg.block_n < 64
+
+
 _KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8}
 
 
@@ -1365,10 +1369,10 @@ class BalancedLauncher:
         nvidia = self.target.startswith("cuda")
         # Contiguous: per-program descriptors ('tma_host' shares one pair of descriptors,
         # whose tiles could run past a ragged sequence's end). Paged: per-program
-        # descriptors over the pool where a tile lies inside a page, else pointer loads.
+        # descriptors over the pool where pool_tma says so, else pointer loads.
         if sched == SCHED_PAGED:
-            tma = cfg.tma() and page_size >= cfg.block_n
-            cfg = replace(cfg, kv_load="tma" if tma else "pointer", page_size=1)
+            cfg = replace(cfg, kv_load="tma" if pool_tma(cfg, page_size) else "pointer",
+                          page_size=1)
         elif cfg.kv_load == "tma_host":
             cfg = replace(cfg, kv_load="tma")
         self.cfg = cfg

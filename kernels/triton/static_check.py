@@ -43,11 +43,11 @@ compiled kernel serves every such batch."""
 def balanced_config(cfg: md.KernelConfig, sched: int) -> md.KernelConfig:
     """`cfg` as a BalancedLauncher runs it under `sched`: 'tma_host' runs as per-program
     descriptors ('tma'); a page pool of `cfg.page_size`-key pages is read through TMA where
-    a tile lies inside a page, else with pointer loads through page indices.
+    mla_decode.pool_tma says so, else with pointer loads through page indices.
     (tests/kernels/test_static_check.py checks this against BalancedLauncher itself.)"""
     if sched == md.SCHED_PAGED:
-        tma = cfg.tma() and cfg.page_size >= cfg.block_n
-        return replace(cfg, kv_load="tma" if tma else "pointer", page_size=1)
+        return replace(cfg, kv_load="tma" if md.pool_tma(cfg, cfg.page_size) else "pointer",
+                       page_size=1)
     if cfg.kv_load == "tma_host":
         return replace(cfg, kv_load="tma")
     return cfg

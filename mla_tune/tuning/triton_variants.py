@@ -58,8 +58,8 @@ def balanced_variants() -> list[tuple[md.KernelConfig, int]]:
     seen: dict[tuple, tuple[md.KernelConfig, int]] = {}
     for cfg in _configs(lambda f: Shape(2, (8192, 8000), heads=128, kv_format=f),
                         num_splits=1, pdl=True):
-        # Paged: pools of single-key pages (pointer loads) and of 64-key pages (TMA
-        # where the config loads through TMA; static_check.balanced_config).
+        # Paged: pools of single-key pages (pointer loads) and of 64-key pages (TMA where
+        # mla_decode.pool_tma says so; static_check.balanced_config).
         for c, sched in ((cfg, md.SCHED_TOKENS), (cfg, md.SCHED_PAGED),
                          (replace(cfg, page_size=64), md.SCHED_PAGED)):
             seen.setdefault(static_check.compiled_key(c, sched=sched), (c, sched))
