@@ -29,6 +29,7 @@ from .mla_decode import (
     BalancedLauncher,
     KernelConfig,
     MlaDecodeLauncher,
+    pool_tma,
 )
 
 COMPUTE_BY_FORMAT = {"bf16": ("bf16",), "fp8": ("bf16", "fp16", "fp8", "fp8qk"),
@@ -106,9 +107,10 @@ def variant_feasible(kv_format: str, kv_lens: tuple[int, ...], q_len: int, heads
     kv_load = str(config.get("kv_load", "pointer"))
     pages = variant_page_size(page_size, config)
     if kv_load in ("tma", "tma_host") and (
-            (pages > 1 and not (balanced and pages >= block_n and block_n < 64)) or not (
+            (pages > 1 and not (balanced and pool_tma(
+                variant_config(kv_format, page_size, config), pages))) or not (
                 kv_format == "bf16" or (kv_format == "fp8" and str(config["compute"]) == "fp8"))):
-        return False  # see kv_load in configs/backends/triton.toml (paged: pool_tma)
+        return False  # see kv_load in configs/backends/triton.toml
     if kv_load == "tma_host" and (balanced or q_len != 1 or any(L % block_n for L in kv_lens)):
         return False  # shared descriptors: tiles_stay_inside must hold (balanced: runs 'tma')
     return int(config["num_splits"]) * block_n <= max(kv_lens)

@@ -567,22 +567,28 @@ def _attend_paged(KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT, qr
 
 
 @triton.jit
-def _paged_tma_tile(desc_n, desc_r, page, n0, hi, page_shift, sc_stride, qnT, qrT, row_scale,
-                    limit, m_i, l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr,
-                    COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                    STAGED: tl.constexpr):
-    """The tile of keys [n0, min(n0 + BLOCK_N, hi)) of a paged sequence, in page `page`,
-    through TMA over the pool as (pages, page rows, 576). A partial last tile is loaded
-    as the box ending at its last key: the box's first rows are then earlier keys of the
-    page (masked) or, before the page's first row, outside the descriptor (zeros), never
-    the rows past the sequence's end, which may hold anything (NaN included)."""
+def _paged_tma_tile(desc_n, desc_r, PAGE_TBL, pg_start, page, n0, hi, page_shift, sc_stride,
+                    qnT, qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain,
+                    KV_FMT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    UPCAST: tl.constexpr, STAGED: tl.constexpr):
+    """The tile of keys [n0, min(n0 + BLOCK_N, hi)) of a paged sequence, in page `page`
+    (its page index, loaded one tile ahead so the table load is not in the dependency
+    chain of the tile's load), through TMA over the pool as (pages, page rows, 576). A
+    partial last tile is loaded as the box ending at its last key: the box's first rows
+    are then earlier keys of the page (masked) or, before the page's first row, outside
+    the descriptor (zeros), never the rows past the sequence's end, which may hold
+    anything (NaN included). Returns (m_i, l_i, acc, the next tile's page index)."""
+    nn = n0 + BLOCK_N
+    nxt = tl.load(PAGE_TBL + pg_start + (nn >> page_shift), mask=nn < hi, other=0)
     shift = tl.maximum(n0 + BLOCK_N - hi, 0)
     r = (n0 & ((1 << page_shift) - 1)) - shift
     kn = desc_n.load([page, r, 0]).reshape([BLOCK_N, D_NOPE])
     kr = desc_r.load([page, r, D_NOPE]).reshape([BLOCK_N, D_ROPE])
     i = tl.arange(0, BLOCK_N)
-    return _attend_tile(kn, kr, n0 - shift + i, i >= shift, sc_stride, qnT, qrT, row_scale,
-                        limit, m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE, UPCAST, STAGED)
+    m_i, l_i, acc = _attend_tile(kn, kr, n0 - shift + i, i >= shift, sc_stride, qnT, qrT,
+                                 row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT,
+                                 COMPUTE, UPCAST, STAGED)
+    return m_i, l_i, acc, nxt
 
 
 @triton.jit
@@ -592,8 +598,7 @@ def _attend_paged_tma(KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT
                       STAGED: tl.constexpr):
     """Keys [lo, hi) of a bf16/fp8 sequence whose pages PAGE_TBL lists by index, pages of
     at least BLOCK_N keys (a tile, aligned to BLOCK_N, lies in one page; pool_tma): tiles
-    through TMA (_paged_tma_tile), one page index per tile, loaded one tile ahead so the
-    table load is not in the dependency chain of the tile's load."""
+    through TMA (_paged_tma_tile), one page index per tile."""
     P = 1 << page_shift
     desc_n = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK], [P * D_QK, D_QK, 1],
                                        [1, BLOCK_N, D_NOPE])
@@ -603,23 +608,17 @@ def _attend_paged_tma(KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT
     if UPCAST:
         n0 = lo
         while n0 < hi:  # the interpreter cannot range() over loaded bounds
-            nn = n0 + BLOCK_N
-            nxt = tl.load(PAGE_TBL + pg_start + (nn >> page_shift), mask=nn < hi, other=0)
-            m_i, l_i, acc = _paged_tma_tile(desc_n, desc_r, page, n0, hi, page_shift,
-                                            sc_stride, qnT, qrT, row_scale, limit, m_i, l_i,
-                                            acc, lazy, p_gain, KV_FMT, COMPUTE, BLOCK_N,
-                                            UPCAST, STAGED)
-            page = nxt
-            n0 = nn
+            m_i, l_i, acc, page = _paged_tma_tile(
+                desc_n, desc_r, PAGE_TBL, pg_start, page, n0, hi, page_shift, sc_stride, qnT,
+                qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE,
+                BLOCK_N, UPCAST, STAGED)
+            n0 += BLOCK_N
     else:
         for n0 in range(lo, hi, BLOCK_N):
-            nn = n0 + BLOCK_N
-            nxt = tl.load(PAGE_TBL + pg_start + (nn >> page_shift), mask=nn < hi, other=0)
-            m_i, l_i, acc = _paged_tma_tile(desc_n, desc_r, page, n0, hi, page_shift,
-                                            sc_stride, qnT, qrT, row_scale, limit, m_i, l_i,
-                                            acc, lazy, p_gain, KV_FMT, COMPUTE, BLOCK_N,
-                                            UPCAST, STAGED)
-            page = nxt
+            m_i, l_i, acc, page = _paged_tma_tile(
+                desc_n, desc_r, PAGE_TBL, pg_start, page, n0, hi, page_shift, sc_stride, qnT,
+                qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE,
+                BLOCK_N, UPCAST, STAGED)
     return m_i, l_i, acc
 
 
