@@ -8,7 +8,7 @@ same steps' lengths in each of these layouts of the same tokens:
 - `paged P ordered`: FlashInfer's paged metadata (SCHED_PAGED, pointer loads through the
   page indices) with each sequence's pages consecutive in the pool;
 - `paged P shuffled`: the same with the pages at shuffled positions (serving_loop's pools),
-  through pointer loads and, where a tile lies inside a page, through TMA.
+  through pointer loads and, where `mla_decode.pool_tma` admits the config, through TMA.
 The paged layouts' pools hold NaN in every slot no sequence holds, so a runner that lets
 a slot past a sequence's end reach the output fails the error check.
 So the gap between the contiguous and the paged runner splits into the load method, the
@@ -32,10 +32,10 @@ import torch
 import benchkit  # noqa: F401 - refuses to run against another checkout
 from mla_tune.kernels.triton import mla_decode as md
 from mla_tune.problem.reference import mla_decode_reference
-from mla_tune.problem.shapes import QK_HEAD_DIM, SM_SCALE, Shape
+from mla_tune.problem.shapes import QK_HEAD_DIM, SM_SCALE
 from mla_tune.runtime.dispatcher import Dispatcher
 from mla_tune.runtime.wrapper import MLADecodeWrapper
-from serving_loop import Loop, _cumsum, gpu_loop_us
+from serving_loop import Loop, _cumsum, gpu_loop_us, reference
 
 
 def ordered_pages(loop: Loop) -> list[list[int]]:
@@ -45,23 +45,10 @@ def ordered_pages(loop: Loop) -> list[list[int]]:
     return [list(range(first[b], first[b] + n)) for b, n in enumerate(n_pages)]
 
 
-def tables_of(loop: Loop, pages: list[list[int]]
-              ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per step (ptr, idx, lens) on the device, sequence b's pages being `pages[b]`."""
-    out = []
-    for lens, _, _ in loop.tables:
-        used = [-(-L // loop.page) for L in lens]
-        idx = torch.tensor([p for b, n in enumerate(used) for p in pages[b][:n]],
-                           dtype=torch.int32)
-        ptr = torch.tensor([0] + _cumsum(used), dtype=torch.int32)
-        out.append(tuple(t.to(loop.dev) for t in (ptr, idx, torch.tensor(lens, dtype=torch.int32))))
-    return out
-
-
 def poisoned_pool(loop: Loop, pages: list[list[int]]) -> Any:
     """`loop`'s pool (as `run` takes it) with NaN in every slot that no step's sequence
-    holds, sequence b's pages being `pages[b]`: the tails of last pages, the other pages. A runner that lets them reach the output
-    (0 * NaN) fails the error check."""
+    holds, sequence b's pages being `pages[b]`: the tails of last pages, the other pages.
+    A runner that lets them reach the output (0 * NaN) fails the error check."""
     flat = loop.flat.clone().view(-1, QK_HEAD_DIM)
     used = torch.zeros(flat.shape[0], dtype=torch.bool)
     for b, pg in enumerate(pages):
@@ -73,22 +60,6 @@ def poisoned_pool(loop: Loop, pages: list[list[int]]) -> Any:
         return flat.view(-1, loop.page, QK_HEAD_DIM)
     flat.view(torch.uint8)[bad] = 0x7F  # e4m3fn NaN
     return flat.view(-1, loop.page, QK_HEAD_DIM), loop.cache[1]
-
-
-def paged_reference(lp: Loop, ptr: torch.Tensor, idx: torch.Tensor,
-                    lens: torch.Tensor) -> torch.Tensor:
-    """The float32 reference of one paged step: its pages gathered in table order."""
-    rows = []
-    for b, L in enumerate(lens.tolist()):
-        pg = idx[int(ptr[b]):int(ptr[b + 1])].long()
-        r = (pg[:, None] * lp.page + torch.arange(lp.page, device=lp.dev)).reshape(-1)
-        rows.append(r[:L])
-    kv = lp.flat[torch.cat(rows)]
-    entry = kv if lp.fmt == "bf16" else (kv, lp.cache[1])
-    kvp = torch.tensor([0] + _cumsum(lens.tolist()), dtype=torch.int32, device=lp.dev)
-    return mla_decode_reference(lp.q, {lp.fmt: entry}, lp.qo, kvp,
-                                Shape(lp.batch, tuple(lens.tolist())).task_config(),
-                                kv_format=lp.fmt)
 
 
 def task_launcher(loop: Loop, disp: Dispatcher) -> md.BalancedLauncher:
@@ -146,12 +117,12 @@ def layouts(loop: Loop, loops: dict[int, Loop], base: md.BalancedLauncher
         pscale = None if fmt == "bf16" else lp.cache[1]
         ordered, shuffled = ordered_pages(lp), lp.pages
         runs = [("pointer", "ordered", ordered), ("pointer", "shuffled", shuffled)]
-        if base.cfg.tma() and page >= base.cfg.block_n:
+        if md.pool_tma(base.cfg, page):
             runs.append(("tma", "shuffled", shuffled))
         pools = {"ordered": poisoned_pool(lp, ordered), "shuffled": poisoned_pool(lp, shuffled)}
         for load, order, pages in runs:
             P = build(base, replace(base.cfg, kv_load=load), lp, md.SCHED_PAGED, page)
-            tables = tables_of(lp, pages)
+            tables = [dev for _, _, dev in lp.page_tables(pages)]
             pool = pools[order] if fmt == "bf16" else pools[order][0]
 
             def paged(s: int, P: md.BalancedLauncher = P, tables: list = tables,
@@ -160,8 +131,8 @@ def layouts(loop: Loop, loops: dict[int, Loop], base: md.BalancedLauncher
                 ptr, idx, lens = tables[s]
                 return P(lp.q, pool, pscale, None, lp.qo, lens, ptr, idx)
 
-            out[f"paged {page} {order} {P.cfg.kv_load}"] = (paged,
-                                                          paged_reference(lp, *tables[-1]))
+            out[f"paged {page} {order} {P.cfg.kv_load}"] = (
+                paged, reference(lp, lp.steps - 1, pages))
     return out
 
 
@@ -201,7 +172,7 @@ def main() -> None:
             w.plan(lp.qo, ptr, idx, lens, check=False)
             return w.run(lp.q, pool64)
 
-        fns["wrapper page 64 (its winner)"] = (wrapper, paged_reference(lp, *lp.tables[-1][2]))
+        fns["wrapper page 64 (its winner)"] = (wrapper, reference(lp, lp.steps - 1))
     if a.only:
         fn = fns[a.only][0]
         for s in range(a.steps):

@@ -99,15 +99,7 @@ class Loop:
         self.q = torch.randn((batch, 16, QK_HEAD_DIM), generator=dg, device=dev,
                              dtype=torch.float32).to(torch.bfloat16)
         # Per step: lengths and page table (device and host copies), prepared untimed.
-        self.tables = []
-        page_t = [torch.tensor(p, dtype=torch.int32) for p in self.pages]
-        for s in range(steps):
-            lens = [L + s + 1 for L in self.lens0]
-            used = [-(-L // page) for L in lens]
-            idx = torch.cat([t[:n] for t, n in zip(page_t, used)])
-            ptr = torch.tensor([0] + _cumsum(used), dtype=torch.int32)
-            host = (ptr, idx, torch.tensor(lens, dtype=torch.int32))
-            self.tables.append((lens, host, tuple(t.to(dev) for t in host)))
+        self.tables = self.page_tables(self.pages)
         # Task tuples of the same steps: contiguous ragged KV (rows = sum of lengths) as a
         # view of one buffer (values are not the pool's; only timing and routing use them).
         self.tasks = []
@@ -121,6 +113,20 @@ class Loop:
                 entry = (entry, self.cache[1])
             self.tasks.append((self.q, {fmt: entry}, self.qo, kvp,
                                Shape(batch, tuple(lens)).task_config()))
+
+    def page_tables(self, pages: list[list[int]]) -> list[tuple[list[int], tuple, tuple]]:
+        """Per step: (lengths, (kv_indptr, kv_indices, kv_lens) on the host, the same on the
+        device), sequence b's pages being `pages[b]` (in the order it reads them)."""
+        out = []
+        page_t = [torch.tensor(p, dtype=torch.int32) for p in pages]
+        for s in range(self.steps):
+            lens = [L + s + 1 for L in self.lens0]
+            used = [-(-L // self.page) for L in lens]
+            idx = torch.cat([t[:n] for t, n in zip(page_t, used)])
+            ptr = torch.tensor([0] + _cumsum(used), dtype=torch.int32)
+            host = (ptr, idx, torch.tensor(lens, dtype=torch.int32))
+            out.append((lens, host, tuple(t.to(self.dev) for t in host)))
+        return out
 
     def mean_len(self) -> int:
         return round(sum(self.tables[self.steps // 2][0]) / self.batch)
@@ -148,12 +154,13 @@ def gpu_loop_us(fn, steps: int, reps: int = 3) -> float:
     return statistics.median(res)
 
 
-def reference(loop: Loop, step: int) -> torch.Tensor:
-    """The float32 reference of `step`, from the pool's pages gathered in order."""
+def reference(loop: Loop, step: int, pages: list[list[int]] | None = None) -> torch.Tensor:
+    """The float32 reference of `step`, from the pool's pages gathered in order (sequence
+    b's pages: `pages[b]`, by default the loop's own)."""
     lens = loop.tables[step][0]
     rows = []
     for b, L in enumerate(lens):
-        pg = torch.tensor(loop.pages[b][:-(-L // loop.page)], device=loop.dev)
+        pg = torch.tensor((pages or loop.pages)[b][:-(-L // loop.page)], device=loop.dev)
         r = (pg[:, None] * loop.page + torch.arange(loop.page, device=loop.dev)).reshape(-1)
         rows.append(r[:L])
     kv = loop.flat[torch.cat(rows)]
