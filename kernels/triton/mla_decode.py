@@ -106,8 +106,9 @@ D_QK = tl.constexpr(576)
 LOG2E = 1.4426950408889634
 FP8_MAX = tl.constexpr(448.0)
 POOL_PAGES_BOUND = tl.constexpr(2**31 - 1)
-"""The page bound of descriptors over a page pool, whose size the kernel is not given:
-every page they read is one of the table's (inside the pool: checked at plan)."""
+POOL_ROWS_BOUND = tl.constexpr(2**31 - 1)
+"""The page and row bounds of descriptors over a page pool, whose size the kernel is not
+given: every page they read is one of the table's (inside the pool: checked at plan)."""
 MERGE_CHUNKS = tl.constexpr(16)
 """Programs per (row block, sequence) in the second-launch merge, each on 512/16 dims."""
 LAZY_TAU = tl.constexpr(8.0)
@@ -592,33 +593,96 @@ def _paged_tma_tile(desc_n, desc_r, PAGE_TBL, pg_start, page, n0, hi, page_shift
 
 
 @triton.jit
+def _pool_rows_tile(desc_n, desc_r, PAGE_TBL, pg_start, page, n0, hi, page_shift, sc_stride,
+                    qnT, qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain,
+                    KV_FMT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr,
+                    UPCAST: tl.constexpr, STAGED: tl.constexpr):
+    """The whole tile of keys [n0, n0 + BLOCK_N) of a paged sequence, in page `page` (its
+    page index, loaded one tile ahead), through TMA over the pool's rows (pages x page
+    rows, 576): a whole tile is consecutive rows of one page, so it loads as the
+    contiguous cache's tiles do, and QK^T reads K from shared memory. Returns (m_i, l_i,
+    acc, the next tile's page index)."""
+    nn = n0 + BLOCK_N
+    nxt = tl.load(PAGE_TBL + pg_start + (nn >> page_shift), mask=nn < hi, other=0)
+    row = (page << page_shift) + (n0 & ((1 << page_shift) - 1))
+    kn = desc_n.load([row, 0])
+    kr = desc_r.load([row, D_NOPE])
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    m_i, l_i, acc = _attend_tile(kn, kr, offs_n, offs_n < hi, sc_stride, qnT, qrT, row_scale,
+                                 limit, m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE, UPCAST,
+                                 STAGED)
+    return m_i, l_i, acc, nxt
+
+
+@triton.jit
 def _attend_paged_tma(KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT, qrT,
                       row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr,
                       COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
                       STAGED: tl.constexpr):
     """Keys [lo, hi) of a bf16/fp8 sequence whose pages PAGE_TBL lists by index, pages of
-    at least BLOCK_N keys (a tile, aligned to BLOCK_N, lies in one page; pool_tma): tiles
-    through TMA (_paged_tma_tile), one page index per tile."""
+    at least BLOCK_N keys (a tile, aligned to BLOCK_N, lies in one page; pool_tma), one
+    page index per tile. Tiles below 64 keys, whose MMAs take their operands from
+    registers either way, all come as boxes of a 3-D descriptor over (pages, page rows,
+    576) (_paged_tma_tile). From 64 keys, QK^T reads K from shared memory, which the 3-D
+    box's reshape prevents (57 spill instructions in the tile loop on sm_90): whole tiles
+    come through a 2-D descriptor over the pool's rows (_pool_rows_tile) and a partial
+    last tile, first, as the 3-D box stopping at the sequence's end. (The 2-D loop for
+    32-key tiles spilled in the loop and ran 2-12 % slower on the H200.)"""
     P = 1 << page_shift
-    desc_n = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK], [P * D_QK, D_QK, 1],
-                                       [1, BLOCK_N, D_NOPE])
-    desc_r = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK], [P * D_QK, D_QK, 1],
-                                       [1, BLOCK_N, D_ROPE])
-    page = tl.load(PAGE_TBL + pg_start + (lo >> page_shift))
-    if UPCAST:
-        n0 = lo
-        while n0 < hi:  # the interpreter cannot range() over loaded bounds
-            m_i, l_i, acc, page = _paged_tma_tile(
-                desc_n, desc_r, PAGE_TBL, pg_start, page, n0, hi, page_shift, sc_stride, qnT,
-                qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE,
-                BLOCK_N, UPCAST, STAGED)
-            n0 += BLOCK_N
+    if BLOCK_N < 64:
+        desc_n = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK],
+                                           [P * D_QK, D_QK, 1], [1, BLOCK_N, D_NOPE])
+        desc_r = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK],
+                                           [P * D_QK, D_QK, 1], [1, BLOCK_N, D_ROPE])
+        page = tl.load(PAGE_TBL + pg_start + (lo >> page_shift))
+        if UPCAST:
+            n0 = lo
+            while n0 < hi:  # the interpreter cannot range() over loaded bounds
+                m_i, l_i, acc, page = _paged_tma_tile(
+                    desc_n, desc_r, PAGE_TBL, pg_start, page, n0, hi, page_shift,
+                    sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain,
+                    KV_FMT, COMPUTE, BLOCK_N, UPCAST, STAGED)
+                n0 += BLOCK_N
+        else:
+            for n0 in range(lo, hi, BLOCK_N):
+                m_i, l_i, acc, page = _paged_tma_tile(
+                    desc_n, desc_r, PAGE_TBL, pg_start, page, n0, hi, page_shift,
+                    sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain,
+                    KV_FMT, COMPUTE, BLOCK_N, UPCAST, STAGED)
     else:
-        for n0 in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc, page = _paged_tma_tile(
-                desc_n, desc_r, PAGE_TBL, pg_start, page, n0, hi, page_shift, sc_stride, qnT,
-                qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE,
-                BLOCK_N, UPCAST, STAGED)
+        full = lo + (hi - lo) // BLOCK_N * BLOCK_N
+        if full < hi:
+            # The partial tile first (the online softmax takes tiles in any order), so the
+            # tile loop is the program's last: nothing of the tail lives across it (the
+            # tail after the loop left 78 spill instructions in it, 23 this way).
+            tail_n = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK],
+                                               [P * D_QK, D_QK, 1], [1, BLOCK_N, D_NOPE])
+            tail_r = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK],
+                                               [P * D_QK, D_QK, 1], [1, BLOCK_N, D_ROPE])
+            m_i, l_i, acc, _ = _paged_tma_tile(
+                tail_n, tail_r, PAGE_TBL, pg_start,
+                tl.load(PAGE_TBL + pg_start + (full >> page_shift)), full, hi, page_shift,
+                sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT,
+                COMPUTE, BLOCK_N, UPCAST, STAGED)
+        desc_n = tl.make_tensor_descriptor(KV, [POOL_ROWS_BOUND, D_QK], [D_QK, 1],
+                                           [BLOCK_N, D_NOPE])
+        desc_r = tl.make_tensor_descriptor(KV, [POOL_ROWS_BOUND, D_QK], [D_QK, 1],
+                                           [BLOCK_N, D_ROPE])
+        page = tl.load(PAGE_TBL + pg_start + (lo >> page_shift))
+        if UPCAST:
+            n0 = lo
+            while n0 < full:  # the interpreter cannot range() over loaded bounds
+                m_i, l_i, acc, page = _pool_rows_tile(
+                    desc_n, desc_r, PAGE_TBL, pg_start, page, n0, full, page_shift,
+                    sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain,
+                    KV_FMT, COMPUTE, BLOCK_N, UPCAST, STAGED)
+                n0 += BLOCK_N
+        else:
+            for n0 in range(lo, full, BLOCK_N):
+                m_i, l_i, acc, page = _pool_rows_tile(
+                    desc_n, desc_r, PAGE_TBL, pg_start, page, n0, full, page_shift,
+                    sc_stride, qnT, qrT, row_scale, limit, m_i, l_i, acc, lazy, p_gain,
+                    KV_FMT, COMPUTE, BLOCK_N, UPCAST, STAGED)
     return m_i, l_i, acc
 
 
@@ -1010,12 +1074,9 @@ class KernelConfig:
 
 def pool_tma(cfg: KernelConfig, page_size: int) -> bool:
     """Whether the balanced runner of `cfg` reads a pool of `page_size`-key pages through
-    TMA (_attend_paged_tma): a config that loads through TMA, pages of at least a tile, and
-    tiles below 64 keys, whose MMAs take their operands from registers either way. From
-    64 keys up QK^T reads K from shared memory, which the reshape of a 3-D box prevents:
-    on the H200 the fp8 page-64 buckets ran 7-9 % slower with it than with pointer loads,
-    the bf16 ones at 32 keys 4-5 % faster (bench/results/serving_loop.md)."""
-    return cfg.tma() and page_size >= cfg.block_n and cfg.block_n < 64
+    TMA (_attend_paged_tma): a config that loads through TMA and pages of at least a tile
+    (each whole tile is then consecutive rows of the pool)."""
+    return cfg.tma() and page_size >= cfg.block_n
 
 
 _KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8}

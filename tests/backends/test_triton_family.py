@@ -92,12 +92,12 @@ def test_seg_cost_is_a_knob_only_of_the_balanced_schedule():
     assert all(c["page_size"] == 1 for c in fam.candidates(ragged, cuda))
 
 
-def test_tma_reads_a_page_pool_only_in_the_balanced_runner_with_pages_of_small_tiles():
-    # The balanced runner takes TMA tiles from pages of at least a tile below 64 keys
-    # (mla_decode.pool_tma); per-sequence splits over a page table, pages shorter than a
-    # tile and tiles of 64 keys keep pointer loads.
+def test_tma_reads_a_page_pool_only_in_the_balanced_runner_with_pages_of_a_tile():
+    # The balanced runner takes TMA tiles from pages of at least a tile
+    # (mla_decode.pool_tma); per-sequence splits over a page table and pages shorter than
+    # a tile keep pointer loads.
     fam, cuda = TritonFamily(), torch.device("cuda")
-    for page, block_n, tma in ((64, 64, False), (64, 32, True), (32, 32, True),
+    for page, block_n, tma in ((64, 64, True), (32, 64, False), (64, 32, True), (32, 32, True),
                                (16, 32, False)):
         ragged = Shape(batch=3, kv_lens=(1000, 300, 517), page_size=page, kv_format="fp8")
         loads = {c["kv_load"] for c in fam.candidates(ragged, cuda)
