@@ -34,8 +34,11 @@ def _env(log: Path, build_s: str = "0.3") -> dict[str, str]:
 
 
 def _cmd(db: str, *shapes: str) -> list[str]:
+    # --runoff 0: whether two close finalists are built again for a side-by-side run-off
+    # depends on how fast the machine timed them; here every build must be a queue's.
     cmd = [sys.executable, "-m", "mla_tune", "sweep", "--db", db, "--device", "cpu",
-           "--backend", "slow", "--no-baseline", "-f", "bf16", "--time-budget", "0.01"]
+           "--backend", "slow", "--no-baseline", "-f", "bf16", "--time-budget", "0.01",
+           "--runoff", "0"]
     for s in shapes or ("2x32",):
         cmd += ["--shape", s]
     return cmd
