@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -95,6 +96,20 @@ def test_balanced_schedule_matches_reference(results: dict[str, dict], name: str
         assert r["tma"] == (1 if tma else 0), r
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the compiled kernels need a CUDA GPU (the interpreter cases above "
+                           "run everywhere)")
+@pytest.mark.parametrize("name", list(CASES))
+def test_balanced_schedule_compiled_on_the_gpu(name: str) -> None:
+    """The same cases through the compiled kernels and their C launchers, as a server runs
+    them: TMA boxes, pipelining and the fused merge's atomics exist only there."""
+    fmt, lens, q_len, page, options, cfg = CASES[name]
+    r, _ = _run_case(name, fmt, lens, q_len, page, options, cfg, seed=3, device="cuda")
+    assert r["finite"], r
+    bound = BOUND.get(fmt) or (0.08 if cfg.get("compute") == "fp8" else 0.02)
+    assert r["err"] <= bound, r
+
+
 def test_a_launcher_serves_other_lengths_of_its_batch(results: dict[str, dict]) -> None:
     r = results["second_call_other_lengths"]
     assert r["err"] <= 0.02 and r["finite"], r
@@ -144,8 +159,6 @@ def _pool(vals: Any, aux: Any, fmt: str, lens: tuple[int, ...], page: int, seed:
     """The contiguous cache copied into pages at shuffled pool positions, every unused
     slot NaN (bf16/fp8) so a tile read past a sequence's end would show; (values, aux,
     page indices, page indptr)."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     n_pages = [-(-L // page) for L in lens]
     total = sum(n_pages) + 2
@@ -175,10 +188,8 @@ def _pool(vals: Any, aux: Any, fmt: str, lens: tuple[int, ...], page: int, seed:
 
 
 def _run_case(name: str, fmt: str, lens: tuple[int, ...], q_len: int, page: int,
-              options: dict[str, Any], cfg: dict[str, Any], seed: int, launcher: Any = None
-              ) -> tuple[dict, Any]:
-    import torch
-
+              options: dict[str, Any], cfg: dict[str, Any], seed: int, launcher: Any = None,
+              device: str = "cpu") -> tuple[dict, Any]:
     from mla_tune.kernels.triton.mla_decode import (
         SCHED_PAGED,
         SCHED_TOKENS,
@@ -195,17 +206,24 @@ def _run_case(name: str, fmt: str, lens: tuple[int, ...], q_len: int, page: int,
     vals, aux = (e, None) if fmt == "bf16" else e
     if launcher is None:
         launcher = BalancedLauncher(KernelConfig(kv_format=fmt, **cfg), heads=16, q_len=q_len,
-                                    batch=len(lens), device="cpu",
+                                    batch=len(lens), device=device,
                                     sched=SCHED_PAGED if page else SCHED_TOKENS,
                                     page_size=max(page, 1), **options)
-    scale = aux if fmt == "fp8" else None
+        if device != "cpu":
+            launcher.prepare()
+
+    def dev(t: Any) -> Any:
+        return None if t is None else t.to(device)
+
+    scale = dev(aux) if fmt == "fp8" else None
     if page:
         pool, paux, idx, ptr = _pool(vals, aux, fmt, lens, page, seed)
-        out = launcher(q, pool, scale, paux if fmt == "mxfp4" else None, qo,
-                       torch.tensor(lens, dtype=torch.int32), ptr, idx)
+        out = launcher(dev(q), dev(pool), scale, dev(paux) if fmt == "mxfp4" else None,
+                       dev(qo), dev(torch.tensor(lens, dtype=torch.int32)), dev(ptr), dev(idx))
     else:
-        out = launcher(q, vals, scale, aux if fmt == "mxfp4" else None, qo, kvp)
-    out = out.float()
+        out = launcher(dev(q), dev(vals), scale, dev(aux) if fmt == "mxfp4" else None,
+                       dev(qo), dev(kvp))
+    out = out.float().cpu()
     return ({"name": name, "err": float((out - ref).abs().max()),
              "finite": bool(torch.isfinite(out).all()), "tma": launcher.constexprs["TMA"]},
             launcher)
