@@ -626,8 +626,9 @@ def _attend_paged_tma(KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT
     576) (_paged_tma_tile). From 64 keys, QK^T reads K from shared memory, which the 3-D
     box's reshape prevents (57 spill instructions in the tile loop on sm_90): whole tiles
     come through a 2-D descriptor over the pool's rows (_pool_rows_tile) and a partial
-    last tile, first, as the 3-D box stopping at the sequence's end. (The 2-D loop for
-    32-key tiles spilled in the loop and ran 2-12 % slower on the H200.)"""
+    last tile, first, as the 3-D box stopping at the sequence's end (fp8 only: pool_tma).
+    (The 2-D loop for 32-key tiles spilled in the loop and ran 2-12 % slower on the
+    H200.)"""
     P = 1 << page_shift
     if BLOCK_N < 64:
         desc_n = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK],
@@ -1075,8 +1076,12 @@ class KernelConfig:
 def pool_tma(cfg: KernelConfig, page_size: int) -> bool:
     """Whether the balanced runner of `cfg` reads a pool of `page_size`-key pages through
     TMA (_attend_paged_tma): a config that loads through TMA and pages of at least a tile
-    (each whole tile is then consecutive rows of the pool)."""
-    return cfg.tma() and page_size >= cfg.block_n
+    (each whole tile is then consecutive rows of the pool); tiles of 64 keys only for
+    fp8 KV. bf16 at 64 keys computed wrong results on the H200 wherever a sequence ends
+    inside a tile (max error 1.06, exact where every length is a multiple of 64; the
+    interpreter gets it right) and spills 728-880 B on sm_90: it keeps pointer loads."""
+    return cfg.tma() and page_size >= cfg.block_n and (cfg.block_n < 64
+                                                       or cfg.kv_format == "fp8")
 
 
 _KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8}

@@ -52,16 +52,22 @@ CASES: dict[str, tuple[str, tuple[int, ...], int, int, dict[str, Any], dict[str,
     # start (70, 129), runs crossing sequences, causal rows.
     "paged_bf16_p64_q4_tma": ("bf16", (37, 300, 70, 129), 4, 64, dict(programs=5),
                               dict(block_n=32, kv_load="tma")),
-    # 64-key tiles filling a page: whole pages through the pool's rows, partial tiles
-    # (37, 300, 129) through the box that stops at the sequence's end; 64: no partial tile.
+    # bf16 at 64 keys keeps pointer loads from a pool (pool_tma), partial tiles included.
     "paged_bf16_p64_b64_tma": ("bf16", (37, 300, 64, 129), 1, 64, dict(programs=5),
-                               dict(block_n=64, kv_load="tma")),
+                               dict(block_n=64, kv_load="tma", num_stages=2)),
+    # fp8 64-key tiles filling a page: whole tiles through the pool's rows, partial ones
+    # (37, 300, 129) through the box that stops at the sequence's end; 64: none.
+    "paged_fp8_fp8_p64_b64_tma": ("fp8", (37, 300, 64, 129), 1, 64, dict(programs=5),
+                                  dict(compute="fp8", block_n=64, kv_load="tma")),
     # Causal rows with 64-key tiles: runs of 3 units put the 1-key last block of 129 and
     # the 2-key last block of 66 alone in a program, whose first row block ends before
     # them (hi < lo): no tile may be read there, and the other row blocks read them.
-    "paged_bf16_p64_b64_q4_tma": ("bf16", (300, 129, 66, 37), 4, 64,
-                                  dict(programs=5, seg_cost=1),
-                                  dict(block_n=64, kv_load="tma")),
+    "paged_fp8_fp8_p64_b64_q4_tma": ("fp8", (300, 129, 66, 37), 4, 64,
+                                     dict(programs=5, seg_cost=1),
+                                     dict(compute="fp8", block_n=64, kv_load="tma")),
+    "paged_bf16_p64_b64_q4": ("bf16", (300, 129, 66, 37), 4, 64,
+                              dict(programs=5, seg_cost=1),
+                              dict(block_n=64, kv_load="tma", num_stages=2)),
     "paged_fp8_fp8_p32_tma_fused": ("fp8", (37, 300, 70, 129), 1, 32, dict(programs=3),
                                     dict(compute="fp8", block_n=32, kv_load="tma",
                                          fast_mode=True)),
@@ -90,9 +96,9 @@ def test_balanced_schedule_matches_reference(results: dict[str, dict], name: str
     assert r["finite"], r  # paged: NaN in every unused slot of the pool is never read
     bound = BOUND.get(fmt) or (0.08 if cfg.get("compute") == "fp8" else 0.02)
     assert r["err"] <= bound, r
-    if page:  # TMA tiles where a tile lies inside a page, else pointers
+    if page:  # TMA tiles where a tile lies inside a page (64 keys: fp8), else pointers
         tma = cfg.get("kv_load", "pointer") != "pointer" and fmt != "mxfp4" and \
-            page >= cfg["block_n"]
+            page >= cfg["block_n"] and (cfg["block_n"] < 64 or fmt == "fp8")
         assert r["tma"] == (1 if tma else 0), r
 
 
