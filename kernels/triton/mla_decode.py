@@ -615,6 +615,17 @@ def _pool_rows_tile(desc_n, desc_r, PAGE_TBL, pg_start, page, n0, hi, page_shift
 
 
 @triton.jit
+def _pool_box_descriptors(KV, P, BLOCK_N: tl.constexpr):
+    """Descriptors of the nope and rope columns over a pool of P-key pages (pages, page
+    rows, 576), one box per tile (_paged_tma_tile)."""
+    desc_n = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK], [P * D_QK, D_QK, 1],
+                                       [1, BLOCK_N, D_NOPE])
+    desc_r = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK], [P * D_QK, D_QK, 1],
+                                       [1, BLOCK_N, D_ROPE])
+    return desc_n, desc_r
+
+
+@triton.jit
 def _attend_paged_tma(KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT, qrT,
                       row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr,
                       COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
@@ -631,10 +642,7 @@ def _attend_paged_tma(KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT
     H200.)"""
     P = 1 << page_shift
     if BLOCK_N < 64:
-        desc_n = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK],
-                                           [P * D_QK, D_QK, 1], [1, BLOCK_N, D_NOPE])
-        desc_r = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK],
-                                           [P * D_QK, D_QK, 1], [1, BLOCK_N, D_ROPE])
+        desc_n, desc_r = _pool_box_descriptors(KV, P, BLOCK_N)
         page = tl.load(PAGE_TBL + pg_start + (lo >> page_shift))
         if UPCAST:
             n0 = lo
@@ -656,10 +664,7 @@ def _attend_paged_tma(KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT
             # The partial tile first (the online softmax takes tiles in any order), so the
             # tile loop is the program's last: nothing of the tail lives across it (the
             # tail after the loop left 78 spill instructions in it, 23 this way).
-            tail_n = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK],
-                                               [P * D_QK, D_QK, 1], [1, BLOCK_N, D_NOPE])
-            tail_r = tl.make_tensor_descriptor(KV, [POOL_PAGES_BOUND, P, D_QK],
-                                               [P * D_QK, D_QK, 1], [1, BLOCK_N, D_ROPE])
+            tail_n, tail_r = _pool_box_descriptors(KV, P, BLOCK_N)
             m_i, l_i, acc, _ = _paged_tma_tile(
                 tail_n, tail_r, PAGE_TBL, pg_start,
                 tl.load(PAGE_TBL + pg_start + (full >> page_shift)), full, hi, page_shift,
