@@ -19,7 +19,6 @@ configuration's output is checked against the float32 reference.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import benchkit  # noqa: E402 - refuses to run against another checkout
 from mla_tune.kernels.triton import mla_decode as md  # noqa: E402
 from mla_tune.problem.shapes import SM_SCALE, Shape  # noqa: E402
+from serving_loop import gpu_loop_us  # noqa: E402
 
 CONFIGS = {
     "fp8": md.KernelConfig(kv_format="fp8", compute="fp8", block_m=16, block_n=64,
@@ -41,21 +41,6 @@ CONFIGS = {
                             num_warps=4, num_stages=3, num_splits=1, fast_mode=True,
                             kv_load="tma"),
 }
-
-
-def timed_us(fn: Any, calls: int, reps: int = 5) -> float:
-    """Median over `reps` of the GPU time of `calls` back-to-back calls / calls, in us."""
-    fn()
-    res = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        res.append(a.elapsed_time(b) * 1000 / calls)
-    return statistics.median(res)
 
 
 def runs(cfg: md.KernelConfig, batch: int, length: int, dev: torch.device
@@ -103,17 +88,14 @@ def main() -> None:
         shape = Shape(batch=args.batch, kv_lens=(length,) * args.batch, kv_format=args.format)
         data = benchkit.task_input(shape, dev)
         ref = benchkit.reference(data, args.format)
-        q, kvd, qo, kvp, _ = data
-        entry = kvd[args.format]
-        kv, scale = (entry, None) if args.format == "bf16" else entry
+        call_args = benchkit.launcher_args(data, args.format)
         for name, make in runs(cfg, args.batch, length, dev):
             launcher = make()
-
-            def call(launcher: Any = launcher) -> torch.Tensor:
-                return launcher(q, kv, scale, None, qo, kvp)
-            ok = benchkit.check(call(), ref, args.format).ok
-            print(f"| {length} | {name} | {timed_us(call, args.calls):.1f} | "
-                  f"{'ok' if ok else 'WRONG'} |", flush=True)
+            # The checked call is also the warm-up of the timed ones.
+            ok = benchkit.check(launcher(*call_args), ref, args.format).ok
+            us = gpu_loop_us(lambda _s, launcher=launcher: launcher(*call_args), args.calls,
+                             reps=5)
+            print(f"| {length} | {name} | {us:.1f} | {'ok' if ok else 'WRONG'} |", flush=True)
 
 
 if __name__ == "__main__":
