@@ -43,6 +43,12 @@ CASES: dict[str, tuple[str, tuple[int, ...], int, int, dict[str, Any], dict[str,
     "tokens_fp8_fp16_fused_q4": ("fp8", (60, 150), 4, 0, dict(programs=3),
                                  dict(compute="fp16", block_n=32, fast_mode=True)),
     "tokens_mxfp4": ("mxfp4", (70, 200, 12), 1, 0, dict(programs=4), dict(block_n=32)),
+    # A sequence of NaN keys (NAN_SEQUENCE) between sequences shorter than a tile and runs
+    # crossing them: no tile of a contiguous cache may read another sequence's rows.
+    "tokens_fp8_fp8_tma_nan_neighbour": ("fp8", (37, 300, 20, 129), 1, 0, dict(programs=3),
+                                         dict(compute="fp8", block_n=64, kv_load="tma")),
+    "tokens_bf16_q4_tma_nan_neighbour": ("bf16", (20, 300, 37, 129), 4, 0, dict(programs=5),
+                                         dict(block_n=32, kv_load="tma")),
     "paged_bf16_p1": ("bf16", (37, 300, 5, 130), 1, 1, dict(programs=4), dict(block_n=32)),
     "paged_bf16_p64_fused": ("bf16", (37, 300, 5, 130), 1, 64, dict(programs=4),
                              dict(block_n=32, fast_mode=True)),
@@ -78,6 +84,8 @@ CASES: dict[str, tuple[str, tuple[int, ...], int, int, dict[str, Any], dict[str,
     "paged_mxfp4_p16_q4": ("mxfp4", (70, 120, 12), 4, 16, dict(programs=3),
                            dict(block_n=32)),
 }
+NAN_SEQUENCE = {"tokens_fp8_fp8_tma_nan_neighbour": 1, "tokens_bf16_q4_tma_nan_neighbour": 1}
+"""Cases whose sequence of this index holds NaN keys; the others' outputs are checked."""
 BOUND = {"bf16": 0.02, "mxfp4": 0.02}
 """Max abs error per format; fp8 cases by compute path (e4m3 Q and P: 0.08)."""
 
@@ -210,6 +218,16 @@ def _run_case(name: str, fmt: str, lens: tuple[int, ...], q_len: int, page: int,
     ref = mla_decode_reference(q, kv_data, qo, kvp, config, kv_format=fmt)
     e = kv_data[fmt]
     vals, aux = (e, None) if fmt == "bf16" else e
+    keep = torch.ones(ref.shape[0], dtype=torch.bool)
+    if name in NAN_SEQUENCE:
+        b = NAN_SEQUENCE[name]
+        vals = vals.clone()
+        nan_rows = slice(int(kvp[b]), int(kvp[b + 1]))
+        if fmt == "bf16":
+            vals[nan_rows] = float("nan")
+        else:
+            vals.view(torch.uint8)[nan_rows] = 0x7F  # e4m3fn NaN
+        keep[int(qo[b]):int(qo[b + 1])] = False
     if launcher is None:
         launcher = BalancedLauncher(KernelConfig(kv_format=fmt, **cfg), heads=16, q_len=q_len,
                                     batch=len(lens), device=device,
@@ -229,7 +247,7 @@ def _run_case(name: str, fmt: str, lens: tuple[int, ...], q_len: int, page: int,
     else:
         out = launcher(dev(q), dev(vals), scale, dev(aux) if fmt == "mxfp4" else None,
                        dev(qo), dev(kvp))
-    out = out.float().cpu()
+    out, ref = out.float().cpu()[keep], ref[keep]
     return ({"name": name, "err": float((out - ref).abs().max()),
              "finite": bool(torch.isfinite(out).all()), "tma": launcher.constexprs["TMA"]},
             launcher)
