@@ -18,6 +18,10 @@ three loops; every layout's last step is checked against the float32 reference.
     python3 bench/paged_read_cost.py --batch 128 --format fp8
     # one layout's steps only (for ncu --launch-skip/--launch-count):
     python3 bench/paged_read_cost.py --batch 128 --format fp8 --only "paged 64 shuffled tma"
+    # a given config instead of the DB's winner (any GPU), two layouts only:
+    python3 bench/paged_read_cost.py --batch 128 --format fp8 --pages 64 \
+        --config block_n=64,num_stages=3,fast_mode=1,kv_load=tma --programs 264 --seg-cost 8 \
+        --layouts "tokens tma,paged 64 shuffled tma"
 """
 
 from __future__ import annotations
@@ -84,6 +88,25 @@ def task_launcher(loop: Loop, disp: Dispatcher) -> md.BalancedLauncher:
     return launcher
 
 
+def given_launcher(spec: str, fmt: str, batch: int, programs: int, seg_cost: int,
+                   dev: torch.device) -> md.BalancedLauncher:
+    """A contiguous-cache balanced launcher of the config `spec` ('field=value,...')."""
+    fields: dict[str, Any] = {"kv_format": fmt, "compute": "fp8" if fmt == "fp8" else "bf16",
+                              "num_splits": 1}
+    for item in spec.split(","):
+        key, _, val = item.partition("=")
+        if key.strip() not in md.KernelConfig.__dataclass_fields__ or not val:
+            raise SystemExit(f"--config: {item!r} is not FIELD=VALUE of a KernelConfig field")
+        default = getattr(md.KernelConfig, key.strip())
+        fields[key.strip()] = (val.strip() if isinstance(default, str)
+                               else type(default)(int(val)))
+    L = md.BalancedLauncher(md.KernelConfig(**fields), heads=16, q_len=1, batch=batch,
+                            device=dev, sched=md.SCHED_TOKENS, sm_scale=SM_SCALE,
+                            programs=programs, seg_cost=seg_cost)
+    L.prepare()
+    return L
+
+
 def build(base: md.BalancedLauncher, cfg: md.KernelConfig, loop: Loop, sched: int,
           page: int) -> md.BalancedLauncher:
     """A launcher of `cfg` with `base`'s program count, setup charge and merge mode."""
@@ -94,16 +117,19 @@ def build(base: md.BalancedLauncher, cfg: md.KernelConfig, loop: Loop, sched: in
     return L
 
 
-def layouts(loop: Loop, loops: dict[int, Loop], base: md.BalancedLauncher
-            ) -> dict[str, tuple[Any, Any]]:
+def layouts(loop: Loop, loops: dict[int, Loop], base: md.BalancedLauncher,
+            wanted: set[str] | None = None) -> dict[str, tuple[Any, Any]]:
     """name -> (fn(step) launching that layout's runner, the float32 reference of the
-    last step)."""
+    last step), for the layouts named in `wanted` (all when None; the others are not
+    built)."""
     fmt = loop.fmt
     scale = None if fmt == "bf16" else loop.cache[1]
     out: dict[str, Any] = {}
     cfgs = {"tma": replace(base.cfg, kv_load="tma"),
             "pointer": replace(base.cfg, kv_load="pointer")}
     for name, cfg in cfgs.items():
+        if wanted is not None and f"tokens {name}" not in wanted:
+            continue
         T = build(base, cfg, loop, md.SCHED_TOKENS, 1)
 
         def tokens(s: int, T: md.BalancedLauncher = T) -> torch.Tensor:
@@ -121,6 +147,8 @@ def layouts(loop: Loop, loops: dict[int, Loop], base: md.BalancedLauncher
             runs.append(("tma", "shuffled", shuffled))
         pools = {"ordered": poisoned_pool(lp, ordered), "shuffled": poisoned_pool(lp, shuffled)}
         for load, order, pages in runs:
+            if wanted is not None and f"paged {page} {order} {load}" not in wanted:
+                continue
             P = build(base, replace(base.cfg, kv_load=load), lp, md.SCHED_PAGED, page)
             tables = [dev for _, _, dev in lp.page_tables(pages)]
             pool = pools[order] if fmt == "bf16" else pools[order][0]
@@ -148,6 +176,16 @@ def main() -> None:
     ap.add_argument("--kv-load", choices=["pointer", "tma"],
                     help="the task launcher's loads instead of its winner's")
     ap.add_argument("--only", default="", help="run this layout's steps once, untimed (ncu)")
+    ap.add_argument("--config", default="",
+                    help="instead of the DB's bucket winner: KernelConfig fields "
+                         "(e.g. 'block_n=64,num_stages=3,fast_mode=1,kv_load=tma'; compute "
+                         "follows the format) run with --programs and --seg-cost; runs on "
+                         "any GPU, the DB's winners only on the device they were tuned on")
+    ap.add_argument("--programs", type=int, default=0, help="with --config (0: the default)")
+    ap.add_argument("--seg-cost", type=int, default=md.SEG_COST, help="with --config")
+    ap.add_argument("--layouts", default="",
+                    help="time only these layouts (comma-separated names, e.g. "
+                         "'tokens tma,paged 64 shuffled tma'; 'wrapper' for the wrapper)")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type != "cuda" and a.batch > 8:
@@ -156,12 +194,19 @@ def main() -> None:
     loops = {p: Loop(a.batch, a.format, p, a.steps, a.lo, a.hi, 0, dev)
              for p in (int(x) for x in a.pages.split(","))}
     first = next(iter(loops.values()))
-    base = task_launcher(first, disp)
+    if a.config:
+        base = given_launcher(a.config, a.format, a.batch, a.programs, a.seg_cost, dev)
+    else:
+        base = task_launcher(first, disp)
     if a.kv_load:
         base.cfg = replace(base.cfg, kv_load=a.kv_load)
     # The page-64 bucket's own winner, as the wrapper runs it, for scale.
-    fns = layouts(first, loops, base)
-    if 64 in loops:
+    wanted = {x.strip() for x in a.layouts.split(",") if x.strip()} or None
+    if a.only:
+        wanted = {a.only}
+    fns = layouts(first, loops, base, wanted)
+    if 64 in loops and (wanted is None or "wrapper" in wanted
+                        or "wrapper page 64 (its winner)" in wanted):
         w = MLADecodeWrapper(a.format, 16, 1, 64, dev, dispatcher=disp)
         lp = loops[64]
 
