@@ -222,7 +222,8 @@ def main() -> None:
         fn = fns[a.only][0]
         for s in range(a.steps):
             fn(s)
-        torch.cuda.synchronize()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         return
     print(f"# {a.batch} x uniform:{a.lo}-{a.hi} {a.format}, {a.steps} steps; config "
           f"{base.cfg}, {base.programs} programs, seg_cost {base.seg_cost}, merge {base.merge}")
