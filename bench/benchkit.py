@@ -66,23 +66,33 @@ def parse_variant(text: str, heads: int = 16) -> tuple[Shape, KernelConfig]:
     """'FORMAT:BATCHxKV:knob=value,...' -> (shape, the Triton kernel's KernelConfig), with
     KernelConfig's fields as knobs, e.g.
     'fp8:256x8192:compute=fp8,block_n=64,kv_load=tma,num_stages=3,num_splits=1'."""
-    from mla_tune.kernels.triton.mla_decode import KernelConfig
-
     shape = parse_format_shape(text, heads)
     parts = text.split(":")
+    return shape, kernel_config(parts[2] if len(parts) > 2 else "", shape.kv_format.value,
+                                where=text)
+
+
+def kernel_config(knobs: str, kv_format: str, where: str = "",
+                  **defaults: object) -> KernelConfig:
+    """'knob=value,...' (KernelConfig's fields as knobs) -> the Triton kernel's KernelConfig
+    for `kv_format`; `defaults` are knobs the text may override. `where` names the text in
+    errors."""
+    from mla_tune.kernels.triton.mla_decode import KernelConfig
+
     types = {f.name: f.type for f in fields(KernelConfig)}
-    kw: dict[str, object] = {"kv_format": shape.kv_format.value}
-    for item in (parts[2].split(",") if len(parts) > 2 and parts[2] else []):
+    kw: dict[str, object] = {**defaults, "kv_format": kv_format}
+    for item in (knobs.split(",") if knobs else []):
         key, _, val = item.partition("=")
         if key not in types:
-            raise SystemExit(f"{text}: unknown knob {key!r}; KernelConfig has {sorted(types)}")
+            raise SystemExit(f"{where or knobs}: unknown knob {key!r}; KernelConfig has "
+                             f"{sorted(types)}")
         t = types[key]
         try:
             kw[key] = (val if t in ("str", str) else
                        bool(int(val)) if t in ("bool", bool) else int(val))
         except ValueError:
-            raise SystemExit(f"{text}: knob {key} takes {t}, not {val!r}") from None
-    return shape, KernelConfig(**kw)
+            raise SystemExit(f"{where or knobs}: knob {key} takes {t}, not {val!r}") from None
+    return KernelConfig(**kw)
 
 
 def load_kernel(path: Path) -> ModuleType:

@@ -18,10 +18,12 @@ three loops; every layout's last step is checked against the float32 reference.
     python3 bench/paged_read_cost.py --batch 128 --format fp8
     # one layout's steps only (for ncu --launch-skip/--launch-count):
     python3 bench/paged_read_cost.py --batch 128 --format fp8 --only "paged 64 shuffled tma"
-    # a given config instead of the DB's winner (any GPU), two layouts only:
+    # a given config instead of the DB's winner (any GPU), two layouts only, each also
+    # with the kernel an edit replaces, right after it:
+    git show HEAD:kernels/triton/mla_decode.py > /tmp/base.py
     python3 bench/paged_read_cost.py --batch 128 --format fp8 --pages 64 \
         --config block_n=64,num_stages=3,fast_mode=1,kv_load=tma --programs 264 --seg-cost 8 \
-        --layouts "tokens tma,paged 64 shuffled tma"
+        --layouts "tokens tma,paged 64 shuffled tma" --baseline /tmp/base.py
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 
-import benchkit  # noqa: F401 - refuses to run against another checkout
+import benchkit  # refuses to run against another checkout
 from mla_tune.kernels.triton import mla_decode as md
 from mla_tune.problem.reference import mla_decode_reference
 from mla_tune.problem.shapes import QK_HEAD_DIM, SM_SCALE
@@ -88,40 +92,37 @@ def task_launcher(loop: Loop, disp: Dispatcher) -> md.BalancedLauncher:
     return launcher
 
 
-def given_launcher(spec: str, fmt: str, batch: int, programs: int, seg_cost: int,
+def given_launcher(knobs: str, fmt: str, batch: int, programs: int, seg_cost: int,
                    dev: torch.device) -> md.BalancedLauncher:
-    """A contiguous-cache balanced launcher of the config `spec` ('field=value,...')."""
-    fields: dict[str, Any] = {"kv_format": fmt, "compute": "fp8" if fmt == "fp8" else "bf16",
-                              "num_splits": 1}
-    for item in spec.split(","):
-        key, _, val = item.partition("=")
-        if key.strip() not in md.KernelConfig.__dataclass_fields__ or not val:
-            raise SystemExit(f"--config: {item!r} is not FIELD=VALUE of a KernelConfig field")
-        default = getattr(md.KernelConfig, key.strip())
-        fields[key.strip()] = (val.strip() if isinstance(default, str)
-                               else type(default)(int(val)))
-    L = md.BalancedLauncher(md.KernelConfig(**fields), heads=16, q_len=1, batch=batch,
-                            device=dev, sched=md.SCHED_TOKENS, sm_scale=SM_SCALE,
-                            programs=programs, seg_cost=seg_cost)
+    """A contiguous-cache balanced launcher of the config `knobs` ('field=value,...'; the
+    compute path follows the format unless given)."""
+    cfg = benchkit.kernel_config(knobs, fmt, where="--config", num_splits=1,
+                                 compute="fp8" if fmt == "fp8" else "bf16")
+    L = md.BalancedLauncher(cfg, heads=16, q_len=1, batch=batch, device=dev,
+                            sched=md.SCHED_TOKENS, sm_scale=SM_SCALE, programs=programs,
+                            seg_cost=seg_cost)
     L.prepare()
     return L
 
 
-def build(base: md.BalancedLauncher, cfg: md.KernelConfig, loop: Loop, sched: int,
-          page: int) -> md.BalancedLauncher:
-    """A launcher of `cfg` with `base`'s program count, setup charge and merge mode."""
-    L = md.BalancedLauncher(cfg, heads=16, q_len=1, batch=loop.batch, device=loop.dev,
-                            sched=sched, page_size=page, sm_scale=SM_SCALE,
-                            programs=base.programs, merge=base.merge, seg_cost=base.seg_cost)
+def build(kernel: ModuleType, base: md.BalancedLauncher, cfg: md.KernelConfig, loop: Loop,
+          sched: int, page: int) -> Any:
+    """A launcher of `cfg` from kernel module `kernel` with `base`'s program count, setup
+    charge and merge mode."""
+    L = kernel.BalancedLauncher(benchkit.config_in(kernel, cfg), heads=16, q_len=1,
+                                batch=loop.batch, device=loop.dev, sched=sched,
+                                page_size=page, sm_scale=SM_SCALE, programs=base.programs,
+                                merge=base.merge, seg_cost=base.seg_cost)
     L.prepare()
     return L
 
 
 def layouts(loop: Loop, loops: dict[int, Loop], base: md.BalancedLauncher,
-            wanted: set[str] | None = None) -> dict[str, tuple[Any, Any]]:
+            wanted: set[str] | None = None, kernel: ModuleType = md
+            ) -> dict[str, tuple[Any, Any]]:
     """name -> (fn(step) launching that layout's runner, the float32 reference of the
     last step), for the layouts named in `wanted` (all when None; the others are not
-    built)."""
+    built), with the kernels of module `kernel` (the checkout's, or a baseline version)."""
     fmt = loop.fmt
     scale = None if fmt == "bf16" else loop.cache[1]
     out: dict[str, Any] = {}
@@ -130,9 +131,9 @@ def layouts(loop: Loop, loops: dict[int, Loop], base: md.BalancedLauncher,
     for name, cfg in cfgs.items():
         if wanted is not None and f"tokens {name}" not in wanted:
             continue
-        T = build(base, cfg, loop, md.SCHED_TOKENS, 1)
+        T = build(kernel, base, cfg, loop, kernel.SCHED_TOKENS, 1)
 
-        def tokens(s: int, T: md.BalancedLauncher = T) -> torch.Tensor:
+        def tokens(s: int, T: Any = T) -> torch.Tensor:
             q, kvd, qo, kvp, _ = loop.tasks[s]
             e = kvd[fmt]
             return T(q, e if fmt == "bf16" else e[0], scale, None, qo, kvp)
@@ -143,17 +144,18 @@ def layouts(loop: Loop, loops: dict[int, Loop], base: md.BalancedLauncher,
         pscale = None if fmt == "bf16" else lp.cache[1]
         ordered, shuffled = ordered_pages(lp), lp.pages
         runs = [("pointer", "ordered", ordered), ("pointer", "shuffled", shuffled)]
-        if md.pool_tma(base.cfg, page):
+        if kernel.pool_tma(benchkit.config_in(kernel, base.cfg), page):
             runs.append(("tma", "shuffled", shuffled))
         pools = {"ordered": poisoned_pool(lp, ordered), "shuffled": poisoned_pool(lp, shuffled)}
         for load, order, pages in runs:
             if wanted is not None and f"paged {page} {order} {load}" not in wanted:
                 continue
-            P = build(base, replace(base.cfg, kv_load=load), lp, md.SCHED_PAGED, page)
+            P = build(kernel, base, replace(base.cfg, kv_load=load), lp, kernel.SCHED_PAGED,
+                      page)
             tables = [dev for _, _, dev in lp.page_tables(pages)]
             pool = pools[order] if fmt == "bf16" else pools[order][0]
 
-            def paged(s: int, P: md.BalancedLauncher = P, tables: list = tables,
+            def paged(s: int, P: Any = P, tables: list = tables,
                       pool: torch.Tensor = pool, pscale: Any = pscale,
                       lp: Loop = lp) -> torch.Tensor:
                 ptr, idx, lens = tables[s]
@@ -183,6 +185,10 @@ def main() -> None:
                          "any GPU, the DB's winners only on the device they were tuned on")
     ap.add_argument("--programs", type=int, default=0, help="with --config (0: the default)")
     ap.add_argument("--seg-cost", type=int, default=md.SEG_COST, help="with --config")
+    ap.add_argument("--baseline", type=Path,
+                    help="also time each layout with the kernel source in this file (another "
+                         "version of kernels/triton/mla_decode.py), right after the "
+                         "checkout's, with the same config")
     ap.add_argument("--layouts", default="",
                     help="time only these layouts (comma-separated names, e.g. "
                          "'tokens tma,paged 64 shuffled tma'; 'wrapper' for the wrapper)")
@@ -205,6 +211,14 @@ def main() -> None:
     if a.only:
         wanted = {a.only}
     fns = layouts(first, loops, base, wanted)
+    if a.baseline:
+        old = layouts(first, loops, base, wanted, benchkit.load_kernel(a.baseline))
+        both: dict[str, tuple[Any, Any]] = {}
+        for name, fn in fns.items():
+            both[name] = fn
+            if name in old:
+                both[f"{name} [baseline]"] = old[name]
+        fns = both
     if 64 in loops and (wanted is None or "wrapper" in wanted
                         or "wrapper page 64 (its winner)" in wanted):
         w = MLADecodeWrapper(a.format, 16, 1, 64, dev, dispatcher=disp)

@@ -90,6 +90,11 @@ BOUND = {"bf16": 0.02, "mxfp4": 0.02}
 """Max abs error per format; fp8 cases by compute path (e4m3 Q and P: 0.08)."""
 
 
+def _bound(fmt: str, cfg: dict[str, Any]) -> float:
+    """The max abs error a case of `fmt` with kernel config `cfg` may show (BOUND)."""
+    return BOUND.get(fmt) or (0.08 if cfg.get("compute") == "fp8" else 0.02)
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
     from tests.compiled_child import interpreted_rows
@@ -102,8 +107,7 @@ def test_balanced_schedule_matches_reference(results: dict[str, dict], name: str
     fmt, _, _, page, _, cfg = CASES[name]
     r = results[name]
     assert r["finite"], r  # paged: NaN in every unused slot of the pool is never read
-    bound = BOUND.get(fmt) or (0.08 if cfg.get("compute") == "fp8" else 0.02)
-    assert r["err"] <= bound, r
+    assert r["err"] <= _bound(fmt, cfg), r
     if page:  # TMA tiles where a tile lies inside a page (64 keys: fp8), else pointers
         tma = cfg.get("kv_load", "pointer") != "pointer" and fmt != "mxfp4" and \
             page >= cfg["block_n"] and (cfg["block_n"] < 64 or fmt == "fp8")
@@ -120,8 +124,7 @@ def test_balanced_schedule_compiled_on_the_gpu(name: str) -> None:
     fmt, lens, q_len, page, options, cfg = CASES[name]
     r, _ = _run_case(name, fmt, lens, q_len, page, options, cfg, seed=3, device="cuda")
     assert r["finite"], r
-    bound = BOUND.get(fmt) or (0.08 if cfg.get("compute") == "fp8" else 0.02)
-    assert r["err"] <= bound, r
+    assert r["err"] <= _bound(fmt, cfg), r
 
 
 def test_a_launcher_serves_other_lengths_of_its_batch(results: dict[str, dict]) -> None:
