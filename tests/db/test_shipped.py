@@ -2,6 +2,7 @@
 through the `shipped` alias."""
 
 import hashlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +12,11 @@ from sqlalchemy import make_url
 from typer.testing import CliRunner
 
 import mla_tune
+from mla_tune.backends import source_hashes
 from mla_tune.cli.main import app
 from mla_tune.db import DBError, TuningStore, resolve_url, shipped_db_url
+from mla_tune.results.winner import Winner
+from mla_tune.results.winners_file import load_winners_json
 
 SHIPPED = Path(mla_tune.__file__).resolve().parent / "shipped" / "tuning.db"
 
@@ -77,3 +81,34 @@ def test_an_installed_copy_finds_its_own_shipped_db(tmp_path):
                        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(SHIPPED.parents[2])})
     assert r.returncode == 0, r.stderr
     assert int(r.stdout) > 0
+
+
+def _key(w: Winner) -> tuple[str, str, str, str, str]:
+    return (w.shape.key, w.software.hash, w.backend, w.source_hash,
+            json.dumps(w.config, sort_keys=True))
+
+
+def test_shipped_winners_are_keyed_to_the_current_kernel_sources():
+    """The dispatcher ignores a winner whose family's code changed since it was tuned, so a
+    kernel edit that keeps every stored variant's code must re-key the shipped results
+    (`mla-tune rehash`), and one that changes it must re-sweep or prune them: otherwise H200
+    users silently lose those tuned routes."""
+    current = source_hashes()
+    assert {"triton", "torch", "cuda_mma"} <= current.keys()
+    with TuningStore("shipped", read_only=True) as store:
+        winners = store.winners()
+    stale = sorted({(w.backend, w.source_hash) for w in winners
+                    if w.backend in current and w.source_hash != current[w.backend]})
+    assert not stale, (f"shipped winners under retired sources {stale} (current: {current}); "
+                       "re-key (mla-tune rehash) or re-sweep them")
+
+
+def test_shipped_winners_file_is_the_shipped_db_exported():
+    """`submission.custom_kernel` routes by winners.json, the dispatcher by the DB: both must
+    hold the same winners (`mla-tune export --db shipped --out mla_tune/shipped/winners.json`)."""
+    with TuningStore("shipped", read_only=True) as store:
+        in_db = {_key(w) for w in store.winners()}
+    in_file = {_key(w) for w in load_winners_json(SHIPPED.with_name("winners.json"))}
+    assert in_db and in_file == in_db, (
+        f"{len(in_file - in_db)} winners only in winners.json, {len(in_db - in_file)} only in "
+        "the DB: export the shipped DB to mla_tune/shipped/winners.json")
