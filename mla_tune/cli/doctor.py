@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import typer
 from rich.table import Table
 
 from mla_tune.cli.common import DB_HELP, app, fail, out
 from mla_tune.tuning.devices import default_device
+
+if TYPE_CHECKING:
+    from mla_tune.results.rehash import OffSource
 
 
 @app.command()
@@ -32,6 +37,12 @@ def doctor(device: str | None = typer.Option(None, help="cuda or cpu."),
     out.print("software: " + ", ".join(f"{k} {v}" for k, v in sw.versions))
     out.print(f"tuning DB: {resolve_url(db).render_as_string(hide_password=True)}")
     out.print(f"winners usable here: {Dispatcher.from_db(db, dev).summary()}", highlight=False)
+    for off in _off_source_winners(db):
+        out.print(f"{off.winners} stored {off.backend} winners are of other kernel code "
+                  f"(source {off.stored}; this checkout's is {off.current}): the dispatcher "
+                  "ignores them. If the change kept every stored kernel (same compiled "
+                  f"code), `mla-tune rehash --source {off.backend}={off.stored} --yes` "
+                  "re-keys them; otherwise re-sweep those shapes", highlight=False)
     stale, retired = _stale_and_retired_trials(db)
     if stale:
         out.print(f"{stale} stored trials are of this checkout's kernel code under its old "
@@ -52,6 +63,20 @@ def doctor(device: str | None = typer.Option(None, help="cuda or cpu."),
     from mla_tune.backends.compiled_toolchain import compilers_summary
 
     out.print(f"compiled-source families: {compilers_summary()}", highlight=False)
+
+
+def _off_source_winners(db: str | None) -> list[OffSource]:
+    """Stored winners of kernel code other than this checkout's (empty when the DB cannot
+    be read)."""
+    from mla_tune.backends import source_hash_pairs
+    from mla_tune.db import DBError, TuningStore
+    from mla_tune.results.rehash import off_source_winners
+
+    try:
+        with TuningStore(db, read_only=True) as store:
+            return off_source_winners(store.winners(), source_hash_pairs())
+    except DBError:
+        return []
 
 
 def _stale_and_retired_trials(db: str | None) -> tuple[int, int]:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from mla_tune.backends.source_hash import hash_named_sources
 from mla_tune.db import RenamedRows, SourceRow, TuningStore
+from mla_tune.results.winner import Winner
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,32 @@ def find(store: TuningStore, hashes: Mapping[str, tuple[str, str]]) -> list[Reke
 def rehash(store: TuningStore, rekeys: list[Rekey]) -> list[RenamedRows]:
     """Rename each planned source (one transaction per source)."""
     return [store.rename_source(r.backend, r.old, r.new) for r in rekeys]
+
+
+@dataclass(frozen=True)
+class OffSource:
+    """`winners` of `backend` stored under `stored`, a source hash that is neither name of
+    this checkout's code (`current` is its code hash): the dispatcher ignores them here."""
+
+    backend: str
+    stored: str
+    current: str
+    winners: int
+
+
+def off_source_winners(winners: list[Winner],
+                       hashes: Mapping[str, tuple[str, str]]) -> list[OffSource]:
+    """Stored winners of loadable backends (`hashes`: backend -> (bytes hash, code hash),
+    `source_hash_pairs`) whose kernel code is not this checkout's, per (backend, stored
+    hash). Nothing but these rows says that tuned routes went missing: a kernel edit makes
+    the dispatcher drop them without an error, until they are re-keyed (when the edit kept
+    every stored kernel) or re-swept."""
+    counts: dict[tuple[str, str], int] = {}
+    for w in winners:
+        if w.backend in hashes and w.source_hash not in hashes[w.backend]:
+            key = (w.backend, w.source_hash)
+            counts[key] = counts.get(key, 0) + 1
+    return [OffSource(b, h, hashes[b][1], n) for (b, h), n in sorted(counts.items())]
 
 
 class GitRevisionError(ValueError):

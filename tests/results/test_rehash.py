@@ -188,3 +188,42 @@ def test_source_renames_a_named_stored_hash_and_refuses_bad_names(tmp_path) -> N
     assert done.exit_code == 0 and "renamed 2 trials, 1 winners" in done.output
     with TuningStore(str(path), read_only=True) as ro:
         assert [w.source_hash for w in ro.winners()] == [new]
+
+
+def test_off_source_winners_are_those_under_neither_name_of_the_checkouts_code() -> None:
+    from mla_tune.problem.shapes import Shape
+    from mla_tune.results.rehash import OffSource, off_source_winners
+    from mla_tune.results.winner import Winner
+
+    shape = Shape.uniform(4, 1024)
+
+    def won(backend: str, source: str) -> Winner:
+        return Winner(GPU, STACK, shape, backend, source, {}, 1.0)
+
+    hashes = {"triton": ("bytes-t", "code-t"), "torch": ("t", "t")}
+    winners = [won("triton", "code-t"), won("triton", "bytes-t"), won("triton", "older"),
+               won("triton", "older"), won("torch", "gone"), won("aiter", "unloadable")]
+    # Both names of the checkout's code are usable; a backend not loadable here is not judged.
+    assert off_source_winners(winners, hashes) == [
+        OffSource("torch", "gone", "t", 1), OffSource("triton", "older", "code-t", 2)]
+
+
+def test_doctor_names_winners_of_other_kernel_code_and_the_rehash_that_keys_them(
+        tmp_path) -> None:
+    path = tmp_path / "t.db"
+    with TuningStore(str(path)) as store:
+        dev, sw = store.device_id(GPU), store.software_id(STACK)
+        store.record_trial(TrialGroup(dev, sw, SHAPE_KEY, "triton", "0123456789abcdef"),
+                           TrialResult(SHAPE, "bf16", {"i": 0}, "ok",
+                                       stats={"median_us": 5.0}))
+        update_winner(store, dev, sw, SHAPE_KEY, {"triton": "0123456789abcdef"})
+    r = runner.invoke(app, ["doctor", "--device", "cpu", "--db", str(path)])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())  # whatever width the console wrapped it at
+    assert "1 stored triton winners are of other kernel code (source 0123456789abcdef;" in text
+    assert "rehash --source triton=0123456789abcdef --yes" in text
+    r = runner.invoke(app, ["rehash", "--db", str(path), "--source",
+                            "triton=0123456789abcdef", "--yes"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["doctor", "--device", "cpu", "--db", str(path)])
+    assert r.exit_code == 0 and "other kernel code" not in r.output, r.output
