@@ -9,7 +9,8 @@ records. Each record carries where its config was verified ok / stored wrong (a 
 trials, a file's `verified_ok`/`verified_wrong`); they are indexed once, at load.
 Loading never runs anything from the table. A winner is
 - ignored when it was tuned on another device model (device fingerprint differs) or for
-  kernel sources that no longer exist (its source hash is not the installed backend's);
+  kernel sources that no longer exist (its source hash is not the installed backend's;
+  one warning per load counts those of this device, which `mla-tune doctor` names);
 - skipped with a warning when it names a backend unknown or unavailable here, or a config
   outside that backend's declared space;
 - used with a one-time warning when it was tuned under other library versions

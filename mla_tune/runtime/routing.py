@@ -230,6 +230,7 @@ class RoutingTable:
     def _load(self, records: list[Winner]) -> dict[str, _Loaded]:
         here = self.fingerprint.hash
         usable: list[tuple[Winner, _Family]] = []
+        off_source = 0
         for r in records:
             if r.device.hash != here:
                 self._ignore("tuned on another device")
@@ -240,8 +241,14 @@ class RoutingTable:
                 self._ignore("backend unknown or unavailable")
             elif r.source_hash not in fam.sources:
                 self._ignore("kernel sources changed since tuning")
+                off_source += 1
             else:
                 usable.append((r, fam))
+        if off_source:
+            # Tuned routes that silently went missing: say so once per load.
+            log.warning("mla-tune: ignoring %d winner(s) tuned on this device for other kernel "
+                        "code than this installation's (`mla-tune doctor` names them)",
+                        off_source)
         extra: dict[str, str] = {}
         own: dict[str, set[str]] = {}
         for fam in {id(f): f for _, f in usable}.values():

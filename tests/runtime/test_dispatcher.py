@@ -172,7 +172,7 @@ def _record_winner(store, device, software, shape, source_hash=None, config=None
     assert update_winner(store, dev_id, sw_id, shape.key, {"torch": source}) is not None
 
 
-def test_foreign_device_and_stale_sources_are_ignored(tmp_path):
+def test_foreign_device_and_stale_sources_are_ignored(tmp_path, caplog):
     db = tmp_path / "foreign.db"
     shape = Shape.uniform(4, 256)
     with TuningStore(str(db)) as store:
@@ -182,6 +182,9 @@ def test_foreign_device_and_stale_sources_are_ignored(tmp_path):
     d = Dispatcher.from_db(str(db), "cpu")
     assert d.loaded == 0
     assert d.ignored == {"tuned on another device": 1, "kernel sources changed since tuning": 1}
+    # The winner of other kernel code on this device is said once; the other device's not.
+    said = [r.message for r in caplog.records if "other kernel code" in r.message]
+    assert len(said) == 1 and "ignoring 1 winner(s)" in said[0]
     assert d.decide(shape).reason == "heuristic"
     data = generate_input(shape)
     assert_matches_reference(d.run(data), data)
