@@ -37,13 +37,13 @@ def doctor(device: str | None = typer.Option(None, help="cuda or cpu."),
     out.print("software: " + ", ".join(f"{k} {v}" for k, v in sw.versions))
     out.print(f"tuning DB: {resolve_url(db).render_as_string(hide_password=True)}")
     out.print(f"winners usable here: {Dispatcher.from_db(db, dev).summary()}", highlight=False)
-    for off in _off_source_winners(db):
+    off_source, stale, retired = _stored_sources(db)
+    for off in off_source:
         out.print(f"{off.winners} stored {off.backend} winners are of other kernel code "
                   f"(source {off.stored}; this checkout's is {off.current}): the dispatcher "
                   "ignores them. If the change kept every stored kernel (same compiled "
                   f"code), `mla-tune rehash --source {off.backend}={off.stored} --yes` "
                   "re-keys them; otherwise re-sweep those shapes", highlight=False)
-    stale, retired = _stale_and_retired_trials(db)
     if stale:
         out.print(f"{stale} stored trials are of this checkout's kernel code under its old "
                   "(bytes) source hash (`mla-tune rehash` renames them)", highlight=False)
@@ -65,31 +65,20 @@ def doctor(device: str | None = typer.Option(None, help="cuda or cpu."),
     out.print(f"compiled-source families: {compilers_summary()}", highlight=False)
 
 
-def _off_source_winners(db: str | None) -> list[OffSource]:
-    """Stored winners of kernel code other than this checkout's (empty when the DB cannot
-    be read)."""
-    from mla_tune.backends import source_hash_pairs
-    from mla_tune.db import DBError, TuningStore
-    from mla_tune.results.rehash import off_source_winners
-
-    try:
-        with TuningStore(db, read_only=True) as store:
-            return off_source_winners(store.winners(), source_hash_pairs())
-    except DBError:
-        return []
-
-
-def _stale_and_retired_trials(db: str | None) -> tuple[int, int]:
-    """Trials `rehash` would rename and trials `prune` would delete (read-only; zeros when
-    the DB cannot be read)."""
+def _stored_sources(db: str | None) -> tuple[list[OffSource], int, int]:
+    """What the DB holds of kernel code other than this checkout's, from one read: winners
+    the dispatcher ignores, trials `rehash` would rename and trials `prune` would delete
+    (read-only; nothing when the DB cannot be read)."""
     from mla_tune.backends import source_hash_pairs
     from mla_tune.db import DBError, TuningStore
     from mla_tune.results.prune import retired_trials, unrenamed_trials
+    from mla_tune.results.rehash import off_source_winners
 
     pairs = source_hash_pairs()
     try:
         with TuningStore(db, read_only=True) as store:
-            return (unrenamed_trials(store, pairs),
+            return (off_source_winners(store.winners(), pairs),
+                    unrenamed_trials(store, pairs),
                     retired_trials(store, {b: new for b, (_, new) in pairs.items()}))
     except DBError:
-        return 0, 0
+        return [], 0, 0

@@ -230,7 +230,6 @@ class RoutingTable:
     def _load(self, records: list[Winner]) -> dict[str, _Loaded]:
         here = self.fingerprint.hash
         usable: list[tuple[Winner, _Family]] = []
-        off_source = 0
         for r in records:
             if r.device.hash != here:
                 self._ignore("tuned on another device")
@@ -241,9 +240,9 @@ class RoutingTable:
                 self._ignore("backend unknown or unavailable")
             elif r.source_hash not in fam.sources:
                 self._ignore("kernel sources changed since tuning")
-                off_source += 1
             else:
                 usable.append((r, fam))
+        off_source = self.ignored.get("kernel sources changed since tuning", 0)
         if off_source:
             # Tuned routes that silently went missing: say so once per load.
             log.warning("mla-tune: ignoring %d winner(s) tuned on this device for other kernel "

@@ -12,9 +12,10 @@ from sqlalchemy import make_url
 from typer.testing import CliRunner
 
 import mla_tune
-from mla_tune.backends import source_hashes
+from mla_tune.backends import source_hash_pairs
 from mla_tune.cli.main import app
 from mla_tune.db import DBError, TuningStore, resolve_url, shipped_db_url
+from mla_tune.results.rehash import off_source_winners
 from mla_tune.results.winner import Winner
 from mla_tune.results.winners_file import load_winners_json
 
@@ -93,13 +94,11 @@ def test_shipped_winners_are_keyed_to_the_current_kernel_sources():
     kernel edit that keeps every stored variant's code must re-key the shipped results
     (`mla-tune rehash`), and one that changes it must re-sweep or prune them: otherwise H200
     users silently lose those tuned routes."""
-    current = source_hashes()
-    assert {"triton", "torch", "cuda_mma"} <= current.keys()
+    hashes = source_hash_pairs()
+    assert {"triton", "torch", "cuda_mma"} <= hashes.keys()
     with TuningStore("shipped", read_only=True) as store:
-        winners = store.winners()
-    stale = sorted({(w.backend, w.source_hash) for w in winners
-                    if w.backend in current and w.source_hash != current[w.backend]})
-    assert not stale, (f"shipped winners under retired sources {stale} (current: {current}); "
+        stale = off_source_winners(store.winners(), hashes)
+    assert not stale, (f"shipped winners under retired sources {stale}; "
                        "re-key (mla-tune rehash) or re-sweep them")
 
 
