@@ -21,7 +21,6 @@ _REGISTRY: dict[str, str] = {
     "cuda": "mla_tune.backends.compiled_source:family_cuda",
     "cuda_mma": "mla_tune.backends.compiled_source:family_cuda_mma",
     "cuda_frag": "mla_tune.backends.compiled_source:family_cuda_frag",
-    "gluon": "mla_tune.backends.gluon_family:GluonFamily",
 }
 
 _instances: dict[str, Backend] = {}

@@ -9,7 +9,8 @@ import itertools
 import pytest
 import torch
 
-from mla_tune.backends import get_backend
+from mla_tune import backends as registry
+from mla_tune.backends.gluon_family import GluonFamily
 from mla_tune.kernels.gluon.compile import check, compile_variant
 from mla_tune.kernels.gluon.launch import SMEM_LIMIT, auto_splits, smem_bytes, variant_feasible
 from mla_tune.problem.shapes import KVFormat, Shape, generate_input
@@ -63,10 +64,19 @@ def test_static_check_passes_eight_warps_and_names_four_warp_spills() -> None:
 
 
 def test_the_family_says_why_it_cannot_run_without_a_hopper_gpu() -> None:
-    b = get_backend("gluon")
+    b = GluonFamily()
     avail = b.available(torch.device("cpu"))
     assert not avail and "sm_90" in avail.reason
     assert b.supports(Shape(4, (1024,) * 4, page_size=64)) is not None
+
+
+def test_opt_in_registration_reaches_the_family(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "gluon" not in registry.backend_names()  # slower than the shipped families yet
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_instances", dict(registry._instances))
+    registry.register("gluon", "mla_tune.backends.gluon_family:GluonFamily")
+    b = registry.get_backend("gluon")
+    assert isinstance(b, GluonFamily) and b.declared_space(torch.device("cuda")).grid()
 
 
 def _hopper() -> bool:
@@ -89,7 +99,7 @@ def test_outputs_match_the_reference_on_ragged_batches(fmt: str, q_len: int, hea
     data = generate_input(shape, seed=1, device="cuda")
     cfg = {"rows": rows, "warps": 8, "stages": 3 if rows == 16 and fmt != "bf16" else 2,
            "bufs": 2 if fmt == "mxfp4" else 1, "splits": splits}
-    run = get_backend("gluon").build(shape, cfg, torch.device("cuda"))
+    run = GluonFamily().build(shape, cfg, torch.device("cuda"))
     res = gate(run(data), mla_decode_reference(*data, kv_format=KVFormat(fmt)),
                tolerance_for(fmt))
     assert res.ok, res
