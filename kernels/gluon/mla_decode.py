@@ -22,7 +22,6 @@ log2-sum-exp in the layout of the Triton family's merge kernel, which combines t
 
 from __future__ import annotations
 
-import triton
 from triton.runtime.jit import constexpr_function
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -35,6 +34,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..triton.mla_decode import _e2m1_ptx
+
 FMT_BF16 = 0
 FMT_FP8 = 1
 FMT_MXFP4 = 2
@@ -44,26 +45,8 @@ D_ROPE_HALF = gl.constexpr(32)
 D_QK = gl.constexpr(576)
 D_V = gl.constexpr(512)
 
-
-def _e2m1_ptx() -> str:
-    """sm_90 decode of four packed E2M1 bytes ($4) times per-element bf16 scales ($5, $6)
-    into the low nibbles ($0, $1) and high nibbles ($2, $3), two bf16 per register: each
-    pair of bytes is spread to 16-bit lanes, a nibble's magnitude bits go to bf16 bits 6-8
-    and its sign to bit 15; that bf16 is the value times 2**-126, so one multiply by 2**126
-    and one by the block scale give the exact value."""
-    def nibbles(mask: str, sa: int, sb: int, out: str, scale: str) -> str:
-        return (f"and.b32 x, t, {mask};\nshl.b32 a, x, {sa};\nshl.b32 b, x, {sb};\n"
-                "lop3.b32 x, a, b, 0x71C071C0, 0xE4;\nmul.rn.bf16x2 x, x, k;\n"
-                f"mul.rn.bf16x2 {out}, x, {scale};\n")
-
-    lo, hi = ("0x000F000F", 6, 12), ("0x00F000F0", 2, 8)
-    return ("\n{\n.reg .b32 t, x, a, b, k, z;\nmov.b32 z, 0;\nmov.b32 k, 0x7E807E80;\n"
-            "prmt.b32 t, $4, z, 0x4140;\n" + nibbles(*lo, "$0", "$5") + nibbles(*hi, "$2", "$5")
-            + "prmt.b32 t, $4, z, 0x4342;\n" + nibbles(*lo, "$1", "$6")
-            + nibbles(*hi, "$3", "$6") + "}\n")
-
-
 E2M1_PTX = gl.constexpr(_e2m1_ptx())
+"""The Triton family's sm_90 E2M1 decode (kernels/triton/mla_decode.py, _E2M1_PTX)."""
 
 E4M3_PTX = gl.constexpr(
     "{\n.reg .b32 a, b, k;\nmov.b32 k, 0x7B807B80;\n"
@@ -426,7 +409,3 @@ def descriptors(kv_format: str, kv, rows_total: int):
                          gl.NVMMASharedLayout.get_default_for([bn, rope],
                                                               gl.bfloat16))
     return a, a, r, r
-
-
-def num_row_blocks(q_len: int, heads: int, rows: int) -> int:
-    return triton.cdiv(q_len * heads, rows)
