@@ -71,7 +71,7 @@ def test_the_family_says_why_it_cannot_run_without_a_hopper_gpu() -> None:
 
 
 def test_opt_in_registration_reaches_the_family(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert "gluon" not in registry.backend_names()  # slower than the shipped families yet
+    assert "gluon" not in registry.backend_names()  # opt-in: see the README
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     monkeypatch.setattr(registry, "_instances", dict(registry._instances))
     registry.register("gluon", "mla_tune.backends.gluon_family:GluonFamily")
