@@ -1,12 +1,11 @@
 """Check and time the Gluon Hopper kernel (kernels/gluon/mla_decode.py) on an sm_90 GPU: a
 dev script for kernel work, not a test and not the tuner.
 
-First every case of a correctness grid (bf16, fp8 and MXFP4; ragged lengths 5-1500 with partial
-tiles and empty splits, q_len 1 and 4, 16 and 128 heads, 1-4 splits) is judged by the
-sweep's gate against the float32 reference. Then each timed variant
-`FORMAT:BATCHxKV:rows=R,warps=W,stages=S,splits=N[,bufs=B]` is checked and timed with the tuner's
-timer (cold L2 before every call) as a CUDA-graph replay, next to what the shipped DB routes
-the same shape to (`Dispatcher.from_db("shipped")`, timed the same way):
+Each variant `FORMAT:BATCHxKV:rows=R,warps=W,stages=S,splits=N[,bufs=B]` is judged by the
+sweep's gate against the float32 reference, then timed with the tuner's timer (cold L2
+before every call) as a CUDA-graph replay, next to what the shipped DB routes the same shape
+to (`Dispatcher.from_db("shipped")`, timed the same way). The family's correctness cases are
+tests/backends/test_gluon_family.py's GPU tests:
 
     python3 bench/gluon_probe.py mxfp4:256x8192:rows=16,warps=8,stages=3,splits=1
 """
@@ -14,48 +13,21 @@ the same shape to (`Dispatcher.from_db("shipped")`, timed the same way):
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
 
 import benchkit
 from mla_tune.kernels.gluon.launch import build_variant
-from mla_tune.problem.shapes import SM_SCALE, KVFormat, Shape
+from mla_tune.problem.shapes import SM_SCALE, Shape
 from mla_tune.tuning.timing import CudaTimer, TimingPolicy
 
 
-def launcher(data, fmt: str, shape: Shape, **knobs: int):
+def launcher(data, shape: Shape, **knobs: int):
     """A zero-argument launch of the family's built variant on `data`."""
     cfg = {"bufs": 1, **knobs}
-    run = build_variant(fmt, list(shape.kv_lens), shape.q_len, shape.heads, cfg,
+    run = build_variant(shape.kv_format.value, list(shape.kv_lens), shape.q_len, shape.heads, cfg,
                         torch.device("cuda"), SM_SCALE)
     return lambda: run(data)
-
-
-def correctness(fmts: list[str]) -> int:
-    """Run the grid; return the number of wrong cases."""
-    wrong = 0
-    cases = [(1, 16, 16, 8, 1), (1, 16, 16, 8, 3), (1, 16, 16, 4, 3), (4, 16, 32, 8, 1),
-             (4, 16, 32, 8, 3), (1, 128, 32, 8, 2)]
-    for fmt, (q_len, heads, rows, warps, splits) in itertools.product(fmts, cases):
-        stages = 3 if fmt != "bf16" and rows == 16 else 2
-        bufs = 2 if fmt == "mxfp4" else 1
-        lens = (5, 64, 65, 700, 1500, max(1, q_len), 129)
-        shape = Shape(len(lens), lens, q_len, heads, KVFormat(fmt))
-        data = benchkit.task_input(shape, "cuda", seed=1)
-        ref = benchkit.reference(data, fmt)
-        try:
-            out = launcher(data, fmt, shape, rows=rows, warps=warps, stages=stages,
-                           splits=splits, bufs=bufs)()
-            torch.cuda.synchronize()
-            res = benchkit.check(out, ref, fmt)
-            ok, note = res.ok, f"err {res.max_abs_err:.3g} mism {res.mismatch_frac:.2%}"
-        except Exception as e:  # noqa: BLE001 - a compile/launch failure is a result here
-            ok, note = False, f"{type(e).__name__}: {str(e)[:300]}"
-        wrong += not ok
-        print(f"check {fmt:5} q_len {q_len} heads {heads:3} rows {rows} warps {warps} "
-              f"stages {stages} splits {splits}: {'ok' if ok else 'WRONG'} {note}", flush=True)
-    return wrong
 
 
 def parse(text: str, heads: int) -> tuple[Shape, dict[str, int]]:
@@ -66,16 +38,12 @@ def parse(text: str, heads: int) -> tuple[Shape, dict[str, int]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("variants", nargs="*")
+    ap.add_argument("variants", nargs="+")
     ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--formats", default="bf16,fp8,mxfp4")
-    ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-route", action="store_true", help="skip the shipped route")
     ap.add_argument("--budget", type=float, default=0.5, help="timing budget per variant, s")
     a = ap.parse_args()
     dev = torch.device("cuda")
-    if not a.no_check:
-        print(f"wrong: {correctness(a.formats.split(','))}", flush=True)
     timer = CudaTimer(dev, TimingPolicy(warmup=3, min_runs=20, max_runs=300, budget_s=a.budget))
     dispatcher = None
     routed: set[Shape] = set()
@@ -83,7 +51,7 @@ def main() -> None:
         shape, k = parse(text, a.heads)
         data = benchkit.task_input(shape, dev)
         ref = benchkit.reference(data, shape.kv_format)
-        run = launcher(data, shape.kv_format.value, shape, **k)
+        run = launcher(data, shape, **k)
         res = benchkit.check(run(), ref, shape.kv_format)
         st = timer.measure(benchkit.graphed(run))
         tbps = shape.kv_bytes / st.median_us / 1e6

@@ -1,9 +1,5 @@
-"""Cross-compile Gluon kernels for sm_90a without a GPU, and the family's static check.
-
-Gluon kernels compile through `GluonASTSource` (layouts are part of the source, so the
-module carries the target's warp count from the start); otherwise as
-kernels/triton/precompile.py compiles Triton kernels.
-"""
+"""The Gluon family's kernels cross-compiled for sm_90a without a GPU
+(kernels/triton/precompile.py's `jit_compile`), and its static check."""
 
 from __future__ import annotations
 
@@ -13,35 +9,10 @@ from typing import Any
 
 import torch
 
-from ..triton.static_check import spill_sites
+from ..triton.precompile import jit_compile
+from ..triton.static_check import SHARED_LIMIT, spill_sites
 from . import mla_decode as gm
-from .launch import FORMATS, SMEM_LIMIT
-
-TARGET = ("cuda", 90, 32)
-
-
-def compile_kernel(fn: Any, args: tuple, kwargs: Mapping[str, Any]) -> Any:
-    """`fn` compiled for sm_90a as a launch with `args` (pointers as torch dtypes, host
-    descriptors as objects) and `kwargs` (constexprs, num_warps) would compile it."""
-    import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import MockTensor, create_function_from_signature
-
-    target = GPUTarget(*TARGET)
-    backend = make_backend(target)
-    kw = dict(kwargs)
-    kw["debug"] = kw.get("debug", fn.debug) or knobs.runtime.debug
-    kw["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, options = binder(*map(MockTensor.wrap_dtype, args), **kw)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, specialization,
-                                                          options)
-    src = GluonASTSource(fn, signature, constexprs, attrs)
-    return triton.compile(src, target=target, options=options.__dict__)
-
+from .launch import FORMATS
 
 _CACHE_DTYPES = {"bf16": (torch.bfloat16, 576), "fp8": (torch.float8_e4m3fn, 576),
                  "mxfp4": (torch.uint8, 288)}
@@ -56,9 +27,9 @@ def compile_variant(kv_format: str, rows: int, warps: int, stages: int, bufs: in
     f32, i32 = torch.float32, torch.int32
     args = (torch.bfloat16, *descs, f32, torch.uint8, 24, i32, i32, torch.bfloat16, f32, f32,
             16, 4096, 2, 0.1)
-    return compile_kernel(gm.mla_decode_gluon_kernel, args,
-                          {"FMT": FORMATS[kv_format], "ROWS": rows, "STAGES": stages,
-                           "BUFS": bufs, "num_warps": warps})
+    return jit_compile(gm.mla_decode_gluon_kernel, "cuda:90", args,
+                       {"FMT": FORMATS[kv_format], "ROWS": rows, "STAGES": stages,
+                        "BUFS": bufs, "num_warps": warps})
 
 
 def check(kv_format: str, config: Mapping[str, Any]) -> str | None:
@@ -66,8 +37,9 @@ def check(kv_format: str, config: Mapping[str, Any]) -> str | None:
     spills), or None."""
     k = compile_variant(kv_format, int(config["rows"]), int(config["warps"]),
                         int(config["stages"]), int(config["bufs"]))
-    if k.metadata.shared > SMEM_LIMIT:
-        return f"needs {k.metadata.shared} B of shared memory (sm_90: {SMEM_LIMIT})"
+    limit = SHARED_LIMIT["cuda:90"]
+    if k.metadata.shared > limit:
+        return f"needs {k.metadata.shared} B of shared memory (sm_90: {limit})"
     spills, _ = spill_sites(k.asm["cubin"])
     if spills:
         return f"{spills} register spill instructions on sm_90a"

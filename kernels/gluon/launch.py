@@ -13,14 +13,12 @@ import torch
 import triton
 
 from ..triton import mla_decode as tmd
+from ..triton.static_check import SHARED_LIMIT
 from . import mla_decode as gm
 
-SMEM_LIMIT = 232448
-"""Max dynamic shared memory per block on sm_90 (227 KiB)."""
+SMEM_LIMIT = SHARED_LIMIT["cuda:90"]
 
 FORMATS = {"bf16": gm.FMT_BF16, "fp8": gm.FMT_FP8, "mxfp4": gm.FMT_MXFP4}
-
-LOG2E = 1.4426950408889634
 
 
 def smem_bytes(kv_format: str, rows: int, stages: int, bufs: int) -> int:
@@ -88,7 +86,7 @@ class GluonLauncher:
                                     device=device)
         self.ones = torch.ones(1, dtype=torch.float32, device=device)
         self.no_scales = torch.zeros(1, dtype=torch.uint8, device=device)
-        self.qk_scale = sm_scale * LOG2E
+        self.qk_scale = sm_scale * tmd.LOG2E
         self._descs: tuple[int, tuple] | None = None
 
     def _descriptors(self, kv: torch.Tensor) -> tuple:

@@ -193,18 +193,16 @@ def mla_decode_gluon_kernel(
             scale = qk_scale * kv_scale
             out_scale = kv_scale
 
-        # Q, once per program, in the parts' dim order.
+        # Q, once per program, in the parts' dim order: MXFP4's by parity (A: even dims,
+        # B: odd), the others' by halves.
         q_ok = rows_q < rows
-        if FMT == 2:
-            qa = _load_q_part(Q, grow_q, q_ok, 0, 2, D_HALF, q_layout, ROWS)
-            qb = _load_q_part(Q, grow_q, q_ok, 1, 2, D_HALF, q_layout, ROWS)
-            qra = _load_q_part(Q, grow_q, q_ok, 512, 2, D_ROPE_HALF, q_layout, ROWS)
-            qrb = _load_q_part(Q, grow_q, q_ok, 513, 2, D_ROPE_HALF, q_layout, ROWS)
-        else:
-            qa = _load_q_part(Q, grow_q, q_ok, 0, 1, D_HALF, q_layout, ROWS)
-            qb = _load_q_part(Q, grow_q, q_ok, 256, 1, D_HALF, q_layout, ROWS)
-            qra = _load_q_part(Q, grow_q, q_ok, 512, 1, D_ROPE_HALF, q_layout, ROWS)
-            qrb = _load_q_part(Q, grow_q, q_ok, 544, 1, D_ROPE_HALF, q_layout, ROWS)
+        step: gl.constexpr = 2 if FMT == 2 else 1
+        d_b: gl.constexpr = 1 if FMT == 2 else D_HALF
+        d_rb: gl.constexpr = 513 if FMT == 2 else 2 * D_HALF + D_ROPE_HALF
+        qa = _load_q_part(Q, grow_q, q_ok, 0, step, D_HALF, q_layout, ROWS)
+        qb = _load_q_part(Q, grow_q, q_ok, d_b, step, D_HALF, q_layout, ROWS)
+        qra = _load_q_part(Q, grow_q, q_ok, 2 * D_HALF, step, D_ROPE_HALF, q_layout, ROWS)
+        qrb = _load_q_part(Q, grow_q, q_ok, d_rb, step, D_ROPE_HALF, q_layout, ROWS)
         qa_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_HALF], _q_part(ROWS, D_HALF), qa)
         qb_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_HALF], _q_part(ROWS, D_HALF), qb)
         qra_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_ROPE_HALF],
@@ -362,21 +360,13 @@ def mla_decode_gluon_kernel(
         o_a = o_a * inv
         o_b = o_b * inv
         grow = (q_start * H + rows_o).to(gl.int64)
-        if FMT == 2:
-            da = 0
-            db = 1
-            step = 2
-        else:
-            da = 0
-            db = D_HALF
-            step = 1
         if n_act == 1:
-            _store_rows(OUT, o_a.to(gl.bfloat16), grow, row_ok, da, step, o_layout)
-            _store_rows(OUT, o_b.to(gl.bfloat16), grow, row_ok, db, step, o_layout)
+            _store_rows(OUT, o_a.to(gl.bfloat16), grow, row_ok, 0, step, o_layout)
+            _store_rows(OUT, o_b.to(gl.bfloat16), grow, row_ok, d_b, step, o_layout)
         else:
             prow = split * total_rows + grow
-            _store_rows(PART_O, o_a, prow, row_ok, da, step, o_layout)
-            _store_rows(PART_O, o_b, prow, row_ok, db, step, o_layout)
+            _store_rows(PART_O, o_a, prow, row_ok, 0, step, o_layout)
+            _store_rows(PART_O, o_b, prow, row_ok, d_b, step, o_layout)
             rows_l = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
             gl.store(PART_LSE + split * total_rows + q_start * H + rows_l,
                      m_i + gl.log2(l_i), mask=rows_l < rows)

@@ -38,7 +38,8 @@ def target_for_arch(arch: str) -> str | None:
 def jit_compile(fn: Any, target: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
     """Compile `fn` for `target` as `fn.warmup(*args, grid=..., **kwargs)` would on a device
     of that target, and return the compiled kernel. Pointer arguments may be given as torch
-    dtypes (assumed 16-byte aligned, as `warmup` assumes)."""
+    dtypes (assumed 16-byte aligned, as `warmup` assumes). Gluon kernels compile through
+    their own source class (their layouts need the target's warp count from the start)."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -55,5 +56,8 @@ def jit_compile(fn: Any, target: str, args: Sequence[Any], kwargs: Mapping[str, 
     bound, specialization, options = binder(*map(MockTensor.wrap_dtype, args), **kw)
     options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound, specialization,
                                                           options)
-    src = ASTSource(fn, signature, constexprs, attrs)
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    src = source(fn, signature, constexprs, attrs)
     return triton.compile(src, target=gpu_target, options=options.__dict__)
