@@ -15,10 +15,15 @@ import triton
 from ..triton import mla_decode as tmd
 from ..triton.static_check import SHARED_LIMIT
 from . import mla_decode as gm
+from . import mla_decode_ws as gws
 
 SMEM_LIMIT = SHARED_LIMIT["cuda:90"]
 
 FORMATS = {"bf16": gm.FMT_BF16, "fp8": gm.FMT_FP8, "mxfp4": gm.FMT_MXFP4}
+
+WS_MAXNREG = 168
+"""Registers per thread of a warp-specialized program: its 4 + 1 + 4 warps take three
+warpgroups, and 3 x 128 x 168 fits an SM's 65536 registers."""
 
 
 def smem_bytes(kv_format: str, rows: int, stages: int, bufs: int) -> int:
@@ -40,6 +45,8 @@ def variant_feasible(kv_format: str, kv_lens: tuple[int, ...], q_len: int, heads
     rows, stages, bufs = int(config["rows"]), int(config["stages"]), int(config["bufs"])
     if page_size != 1 or kv_format not in FORMATS:
         return False
+    if int(config.get("ws", 0)) and (kv_format == "bf16" or int(config["warps"]) != 4):
+        return False  # decoding warps of their own, beside one MMA warpgroup
     if kv_format == "bf16" and bufs != 1:
         return False  # bf16 tiles are read where TMA puts them
     if smem_bytes(kv_format, rows, stages, bufs) > SMEM_LIMIT - 1024:
@@ -69,6 +76,7 @@ class GluonLauncher:
         self.warps = int(config["warps"])
         self.stages = int(config["stages"])
         self.bufs = int(config["bufs"])
+        self.ws = bool(int(config.get("ws", 0)))
         batch = len(kv_lens)
         self.row_blocks = triton.cdiv(q_len * heads, self.rows)
         splits = int(config["splits"])
@@ -99,12 +107,14 @@ class GluonLauncher:
                  scales: torch.Tensor | None, qo_indptr: torch.Tensor,
                  kv_indptr: torch.Tensor) -> torch.Tensor:
         sc = scales if scales is not None else self.no_scales
-        gm.mla_decode_gluon_kernel[self.grid](
+        kernel = gws.mla_decode_gluon_ws_kernel if self.ws else gm.mla_decode_gluon_kernel
+        extra = {"maxnreg": WS_MAXNREG} if self.ws else {}
+        kernel[self.grid](
             q, *self._descriptors(kv), kv_scale if kv_scale is not None else self.ones, sc,
             scales.stride(0) if scales is not None else 0, qo_indptr, kv_indptr, self.out,
             self.part_o, self.part_lse, self.heads, self.total_rows, self.splits,
             self.qk_scale, FMT=FORMATS[self.fmt], ROWS=self.rows, STAGES=self.stages,
-            BUFS=self.bufs, num_warps=self.warps)
+            BUFS=self.bufs, num_warps=self.warps, **extra)
         if self.splits > 1:
             tmd.mla_merge_kernel[(self.row_blocks, self.grid[2], tmd.MERGE_CHUNKS.value)](
                 qo_indptr, kv_indptr, self.part_o, self.part_lse, self.out, self.heads,

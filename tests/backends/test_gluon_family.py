@@ -19,12 +19,12 @@ from mla_tune.tuning.space import load_backend_space
 SPACE = load_backend_space("gluon")
 
 
-def _compiled_points() -> list[tuple[str, int, int, int, int]]:
-    """(format, rows, warps, stages, bufs) of every point some 8192-key shape runs."""
+def _compiled_points() -> list[tuple[str, int, int, int, int, int]]:
+    """(format, rows, warps, stages, bufs, ws) of every point some 8192-key shape runs."""
     pts = set()
     for fmt, cfg in itertools.product(("bf16", "fp8", "mxfp4"), SPACE.grid()):
         if variant_feasible(fmt, (8192,) * 4, 1, 128, 1, cfg):
-            pts.add((fmt, cfg["rows"], cfg["warps"], cfg["stages"], cfg["bufs"]))
+            pts.add((fmt, cfg["rows"], cfg["warps"], cfg["stages"], cfg["bufs"], cfg["ws"]))
     return sorted(pts)
 
 
@@ -36,6 +36,9 @@ def test_feasible_points_keep_shared_memory_and_shape_rules() -> None:
     assert not variant_feasible("bf16", (8192,), 1, 16, 1, cfg)  # bf16 has no decode buffers
     assert not variant_feasible("mxfp4", (8192,), 1, 16, 1, dict(cfg, rows=32))  # 16 rows
     assert not variant_feasible("mxfp4", (64,), 1, 16, 1, dict(cfg, splits=2))
+    assert variant_feasible("mxfp4", (8192,), 1, 16, 1, dict(cfg, warps=4, ws=1))
+    assert not variant_feasible("mxfp4", (8192,), 1, 16, 1, dict(cfg, ws=1))  # 4 MMA warps
+    assert not variant_feasible("bf16", (8192,), 1, 16, 1, dict(cfg, bufs=1, ws=1))
     assert smem_bytes("fp8", 16, 3, 2) > SMEM_LIMIT
 
 
@@ -46,9 +49,9 @@ def test_auto_splits_fill_the_sms_within_the_tiles() -> None:
 
 
 @pytest.mark.parametrize("point", _compiled_points(), ids=lambda p: "-".join(map(str, p)))
-def test_every_point_compiles_for_sm90a(point: tuple[str, int, int, int, int]) -> None:
-    fmt, rows, warps, stages, bufs = point
-    k = compile_variant(fmt, rows, warps, stages, bufs)
+def test_every_point_compiles_for_sm90a(point: tuple[str, int, int, int, int, int]) -> None:
+    fmt, rows, warps, stages, bufs, ws = point
+    k = compile_variant(fmt, rows, warps, stages, bufs, ws)
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     # The launch rules' shared-memory figure is the kernel's, barriers and scratch aside.
@@ -84,11 +87,13 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (Gluon has no interpreter)")
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("fmt,ws", [("bf16", 0), ("fp8", 0), ("mxfp4", 0), ("fp8", 1),
+                                    ("mxfp4", 1)])
 @pytest.mark.parametrize("q_len,heads,rows,splits", [(1, 16, 16, 1), (1, 16, 16, 3),
                                                      (4, 16, 32, 3), (1, 128, 32, 2)])
-def test_outputs_match_the_reference_on_ragged_batches(fmt: str, q_len: int, heads: int,
-                                                       rows: int, splits: int) -> None:
+def test_outputs_match_the_reference_on_ragged_batches(fmt: str, ws: int, q_len: int,
+                                                       heads: int, rows: int,
+                                                       splits: int) -> None:
     from mla_tune.problem.reference import mla_decode_reference
     from mla_tune.problem.verify import check as gate
     from mla_tune.problem.verify import tolerance_for
@@ -97,8 +102,10 @@ def test_outputs_match_the_reference_on_ragged_batches(fmt: str, q_len: int, hea
     lens = (5, 64, 65, 700, 1500, max(1, q_len), 129)
     shape = Shape(len(lens), lens, q_len, heads, KVFormat(fmt))
     data = generate_input(shape, seed=1, device="cuda")
-    cfg = {"rows": rows, "warps": 8, "stages": 3 if rows == 16 and fmt != "bf16" else 2,
-           "bufs": 2 if fmt == "mxfp4" else 1, "splits": splits}
+    cfg = {"rows": rows, "warps": 4 if ws else 8,
+           "stages": 3 if rows == 16 and fmt != "bf16" else 2,
+           "bufs": 2 if fmt == "mxfp4" and (rows == 16 or not ws) else 1, "splits": splits,
+           "ws": ws}
     run = GluonFamily().build(shape, cfg, torch.device("cuda"))
     res = gate(run(data), mla_decode_reference(*data, kv_format=KVFormat(fmt)),
                tolerance_for(fmt))
