@@ -45,8 +45,9 @@ def variant_feasible(kv_format: str, kv_lens: tuple[int, ...], q_len: int, heads
     rows, stages, bufs = int(config["rows"]), int(config["stages"]), int(config["bufs"])
     if page_size != 1 or kv_format not in FORMATS:
         return False
-    if int(config.get("ws", 0)) and (kv_format == "bf16" or int(config["warps"]) != 4):
-        return False  # decoding warps of their own, beside one MMA warpgroup
+    if int(config.get("ws", 0)) and (kv_format != "mxfp4" or int(config["warps"]) != 4
+                                     or bufs != 2):
+        return False  # MXFP4 decoding warps two buffers ahead of one MMA warpgroup
     if kv_format == "bf16" and bufs != 1:
         return False  # bf16 tiles are read where TMA puts them
     if smem_bytes(kv_format, rows, stages, bufs) > SMEM_LIMIT - 1024:

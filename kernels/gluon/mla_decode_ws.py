@@ -1,6 +1,8 @@
-"""The Gluon Hopper kernel of mla_decode.py with its fp8 / MXFP4 tile decode moved to warps
-of its own (warp specialization), so decoding overlaps the whole MMA chain instead of only
-the value product.
+"""The Gluon Hopper kernel of mla_decode.py for MXFP4 with its tile decode moved to warps of
+its own (warp specialization), so decoding overlaps the whole MMA chain instead of only the
+value product. (fp8 has no such variant: its decoded parts fit shared memory only one
+buffer deep, and with one buffer the decode of the next tile waits for this tile's value
+product, so nothing would overlap.)
 
 Partitions of one program: the default partition (one warpgroup) runs S, the softmax and
 the value product per tile and the epilogue; a 1-warp loader issues the TMA copies of raw
@@ -80,43 +82,32 @@ def _decode_partition(KD_A, KD_B, KD_RA, KD_RB, KV_SC, sc_stride, kv_start, lo, 
         s = t % STAGES
         b = t % NBUF
         n0 = lo + t * BLOCK_N
-        if FMT == 2:
-            kv_ok = (n0 + keys_v) < hi
-            sc_v = gl.load(KV_SC + gl.expand_dims((kv_start + n0 + keys_v).to(gl.int64), 1)
-                           * sc_stride + gl.expand_dims(blk_v, 0),
-                           mask=gl.expand_dims(kv_ok, 1), other=0)
-            kr_ok = (n0 + keys_r) < hi
-            sc_r = gl.load(KV_SC + gl.expand_dims((kv_start + n0 + keys_r).to(gl.int64), 1)
-                           * sc_stride + 16 + gl.expand_dims(blk_r, 0),
-                           mask=gl.expand_dims(kr_ok, 1), other=0)
-            mbarrier.wait(raw_ready.index(s), (t // STAGES) & 1)
-            pv = gl.convert_layout(raw_a.index(s).load(rv2).reshape([BLOCK_N, 16, 16]),
-                                   rv_layout)
-            pr = gl.convert_layout(raw_ra.index(s).load(rr2).reshape([BLOCK_N, 2, 16]),
-                                   rr_layout)
-            fence_async_shared()  # the slot's reads before the loader's next TMA into it
-            mbarrier.arrive(raw_empty.index(s), count=1)
-            va, vb = _decode_blocks(pv, sc_v, kv_ok)
-            ra, rb = _decode_blocks(pr, sc_r, kr_ok)
-            va = va.reshape([BLOCK_N, D_HALF])
-            vb = vb.reshape([BLOCK_N, D_HALF])
-            ra = ra.reshape([BLOCK_N, D_ROPE_HALF])
-            rb = rb.reshape([BLOCK_N, D_ROPE_HALF])
-            mbarrier.wait(k_empty.index(b), ((t // NBUF) & 1) ^ 1)
-            ka_s.index(b).store(va)
-            kb_s.index(b).store(vb)
-            kra_s.index(b).store(ra)
-            krb_s.index(b).store(rb)
-        else:
-            # fp8: one part at a time into its buffer (all four held at once spill).
-            mbarrier.wait(raw_ready.index(s), (t // STAGES) & 1)
-            mbarrier.wait(k_empty.index(b), ((t // NBUF) & 1) ^ 1)
-            ka_s.index(b).store(_decode_e4m3(raw_a.index(s).load(rv2)))
-            kb_s.index(b).store(_decode_e4m3(raw_b.index(s).load(rv2)))
-            kra_s.index(b).store(_decode_e4m3(raw_ra.index(s).load(rr2)))
-            krb_s.index(b).store(_decode_e4m3(raw_rb.index(s).load(rr2)))
-            fence_async_shared()
-            mbarrier.arrive(raw_empty.index(s), count=1)
+        kv_ok = (n0 + keys_v) < hi
+        sc_v = gl.load(KV_SC + gl.expand_dims((kv_start + n0 + keys_v).to(gl.int64), 1)
+                       * sc_stride + gl.expand_dims(blk_v, 0),
+                       mask=gl.expand_dims(kv_ok, 1), other=0)
+        kr_ok = (n0 + keys_r) < hi
+        sc_r = gl.load(KV_SC + gl.expand_dims((kv_start + n0 + keys_r).to(gl.int64), 1)
+                       * sc_stride + 16 + gl.expand_dims(blk_r, 0),
+                       mask=gl.expand_dims(kr_ok, 1), other=0)
+        mbarrier.wait(raw_ready.index(s), (t // STAGES) & 1)
+        pv = gl.convert_layout(raw_a.index(s).load(rv2).reshape([BLOCK_N, 16, 16]),
+                               rv_layout)
+        pr = gl.convert_layout(raw_ra.index(s).load(rr2).reshape([BLOCK_N, 2, 16]),
+                               rr_layout)
+        fence_async_shared()  # the slot's reads before the loader's next TMA into it
+        mbarrier.arrive(raw_empty.index(s), count=1)
+        va, vb = _decode_blocks(pv, sc_v, kv_ok)
+        ra, rb = _decode_blocks(pr, sc_r, kr_ok)
+        va = va.reshape([BLOCK_N, D_HALF])
+        vb = vb.reshape([BLOCK_N, D_HALF])
+        ra = ra.reshape([BLOCK_N, D_ROPE_HALF])
+        rb = rb.reshape([BLOCK_N, D_ROPE_HALF])
+        mbarrier.wait(k_empty.index(b), ((t // NBUF) & 1) ^ 1)
+        ka_s.index(b).store(va)
+        kb_s.index(b).store(vb)
+        kra_s.index(b).store(ra)
+        krb_s.index(b).store(rb)
         fence_async_shared()
         mbarrier.arrive(k_ready.index(b), count=1)
 
@@ -177,8 +168,11 @@ def mla_decode_gluon_ws_kernel(
     FMT: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, BUFS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """mla_decode_gluon_kernel's contract (fp8 and MXFP4 only), warp-specialized; num_warps
-    is the MMA partition's (4)."""
+    """mla_decode_gluon_kernel's contract for MXFP4, warp-specialized; num_warps is the MMA
+    partition's (4). Two part buffers at least: with one, decoding tile t + 1 would wait for
+    tile t's value product, which waits for the release that tile t + 1's S gives."""
+    gl.static_assert(FMT == 2, "the warp-specialized kernel decodes MXFP4 only")
+    gl.static_assert(BUFS >= 2, "the warp-specialized kernel needs two part buffers")
     pid_m = gl.program_id(0)
     split = gl.program_id(1)
     b = gl.program_id(2)
@@ -202,20 +196,12 @@ def mla_decode_gluon_ws_kernel(
         lo = split * chunk
         hi = gl.minimum(gl.minimum(lo + chunk, L), L - q_len + j_max + 1)
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-        scale = qk_scale
-        out_scale = 1.0
-        if FMT == 1:
-            kv_scale = gl.load(KV_SCALE)
-            scale = qk_scale * kv_scale
-            out_scale = kv_scale
         q_ok = rows_q < rows
-        step: gl.constexpr = 2 if FMT == 2 else 1
-        qa = _load_q_part(Q, grow_q, q_ok, 0, step, D_HALF, q_layout, ROWS)
-        qb = _load_q_part(Q, grow_q, q_ok, 1 if FMT == 2 else 256, step, D_HALF, q_layout,
-                          ROWS)
-        qra = _load_q_part(Q, grow_q, q_ok, 512, step, D_ROPE_HALF, q_layout, ROWS)
-        qrb = _load_q_part(Q, grow_q, q_ok, 513 if FMT == 2 else 544, step, D_ROPE_HALF,
-                           q_layout, ROWS)
+        # MXFP4 parts hold the even and odd dims (mla_decode.py).
+        qa = _load_q_part(Q, grow_q, q_ok, 0, 2, D_HALF, q_layout, ROWS)
+        qb = _load_q_part(Q, grow_q, q_ok, 1, 2, D_HALF, q_layout, ROWS)
+        qra = _load_q_part(Q, grow_q, q_ok, 512, 2, D_ROPE_HALF, q_layout, ROWS)
+        qrb = _load_q_part(Q, grow_q, q_ok, 513, 2, D_ROPE_HALF, q_layout, ROWS)
         qa_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_HALF], _q_part(ROWS, D_HALF), qa)
         qb_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_HALF], _q_part(ROWS, D_HALF), qb)
         qra_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_ROPE_HALF],
@@ -232,12 +218,6 @@ def mla_decode_gluon_ws_kernel(
         raw_a = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, D_HALF], KD_A.layout)
         raw_ra = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, D_ROPE_HALF],
                                            KD_RA.layout)
-        raw_b = raw_a
-        raw_rb = raw_ra
-        if FMT == 1:
-            raw_b = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, D_HALF], KD_A.layout)
-            raw_rb = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, D_ROPE_HALF],
-                                               KD_RA.layout)
         raw_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         raw_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [BUFS, 1], mbarrier.MBarrierLayout())
@@ -249,14 +229,14 @@ def mla_decode_gluon_ws_kernel(
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(k_empty.index(i), count=1)
         fence_async_shared()
-        raw = (raw_a, raw_b, raw_ra, raw_rb)
+        raw = (raw_a, raw_a, raw_ra, raw_ra)  # MXFP4 has no second raw part
         parts = (ka_s, kb_s, kra_s, krb_s)
         bars = (raw_ready, raw_empty, k_ready, k_empty)
         worker_args = (KD_A, KD_B, KD_RA, KD_RB, KV_SC, sc_stride, kv_start, lo, hi, n_tiles,
                        raw, parts, bars, FMT)
         o_a, o_b, m_i, l_i = gl.warp_specialize([
             (_mma_partition, (qa_s, qb_s, qra_s, qrb_s, p_s, parts, bars, n_tiles, lo, hi,
-                              limit, scale, ROWS, num_warps)),
+                              limit, qk_scale, ROWS, num_warps)),
             (_load_partition, worker_args),
             (_decode_partition, worker_args),
         ], [1, DECODE_WARPS], [24, 168])
@@ -264,18 +244,17 @@ def mla_decode_gluon_ws_kernel(
         rows_o = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, o_layout))
         row_ok = rows_o < rows
         l_o = gl.convert_layout(l_i, gl.SliceLayout(0, o_layout))
-        inv = gl.expand_dims(out_scale / gl.where(l_o > 0, l_o, 1.0), 0)
+        inv = gl.expand_dims(1.0 / gl.where(l_o > 0, l_o, 1.0), 0)
         o_a = o_a * inv
         o_b = o_b * inv
         grow = (q_start * H + rows_o).to(gl.int64)
-        db: gl.constexpr = 1 if FMT == 2 else D_HALF
         if n_act == 1:
-            _store_rows(OUT, o_a.to(gl.bfloat16), grow, row_ok, 0, step, o_layout)
-            _store_rows(OUT, o_b.to(gl.bfloat16), grow, row_ok, db, step, o_layout)
+            _store_rows(OUT, o_a.to(gl.bfloat16), grow, row_ok, 0, 2, o_layout)
+            _store_rows(OUT, o_b.to(gl.bfloat16), grow, row_ok, 1, 2, o_layout)
         else:
             prow = split * total_rows + grow
-            _store_rows(PART_O, o_a, prow, row_ok, 0, step, o_layout)
-            _store_rows(PART_O, o_b, prow, row_ok, db, step, o_layout)
+            _store_rows(PART_O, o_a, prow, row_ok, 0, 2, o_layout)
+            _store_rows(PART_O, o_b, prow, row_ok, 1, 2, o_layout)
             rows_l = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
             gl.store(PART_LSE + split * total_rows + q_start * H + rows_l,
                      m_i + gl.log2(l_i), mask=rows_l < rows)
