@@ -1,7 +1,7 @@
 """Check and time the Gluon Hopper kernel (kernels/gluon/mla_decode.py) on an sm_90 GPU: a
 dev script for kernel work, not a test and not the tuner.
 
-Each variant `FORMAT:BATCHxKV:rows=R,warps=W,stages=S,splits=N[,bufs=B]` is judged by the
+Each variant `FORMAT:BATCHxKV:rows=R,warps=W,stages=S,splits=N[,bufs=B][,ws=D]` is judged by the
 sweep's gate against the float32 reference, then timed with the tuner's timer (cold L2
 before every call) as a CUDA-graph replay, next to what the shipped DB routes the same shape
 to (`Dispatcher.from_db("shipped")`, timed the same way). The family's correctness cases are

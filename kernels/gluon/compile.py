@@ -13,7 +13,7 @@ from ..triton.precompile import jit_compile
 from ..triton.static_check import SHARED_LIMIT, spill_sites
 from . import mla_decode as gm
 from . import mla_decode_ws as gws
-from .launch import FORMATS, WS_MAXNREG
+from .launch import FORMATS, ws_maxnreg
 
 _CACHE_DTYPES = {"bf16": (torch.bfloat16, 576), "fp8": (torch.float8_e4m3fn, 576),
                  "mxfp4": (torch.uint8, 288)}
@@ -22,7 +22,8 @@ _CACHE_DTYPES = {"bf16": (torch.bfloat16, 576), "fp8": (torch.float8_e4m3fn, 576
 @functools.cache
 def compile_variant(kv_format: str, rows: int, warps: int, stages: int, bufs: int,
                     ws: int = 0) -> Any:
-    """The split kernel of one compiled point, for sm_90a (`ws`: the warp-specialized one)."""
+    """The split kernel of one compiled point, for sm_90a (`ws` > 0: the warp-specialized
+    one with that many decoding warps)."""
     dtype, width = _CACHE_DTYPES[kv_format]
     cache = torch.empty((64, width), dtype=dtype)
     descs = gm.descriptors(kv_format, cache, 64)
@@ -33,7 +34,7 @@ def compile_variant(kv_format: str, rows: int, warps: int, stages: int, bufs: in
             "num_warps": warps}
     if ws:
         return jit_compile(gws.mla_decode_gluon_ws_kernel, "cuda:90", args,
-                           dict(opts, maxnreg=WS_MAXNREG))
+                           dict(opts, DW=ws, maxnreg=ws_maxnreg(ws)))
     return jit_compile(gm.mla_decode_gluon_kernel, "cuda:90", args, opts)
 
 

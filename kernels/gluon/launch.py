@@ -21,9 +21,14 @@ SMEM_LIMIT = SHARED_LIMIT["cuda:90"]
 
 FORMATS = {"bf16": gm.FMT_BF16, "fp8": gm.FMT_FP8, "mxfp4": gm.FMT_MXFP4}
 
-WS_MAXNREG = 168
-"""Registers per thread of a warp-specialized program: its 4 + 1 + 4 warps take three
-warpgroups, and 3 x 128 x 168 fits an SM's 65536 registers."""
+
+
+def ws_maxnreg(decode_warps: int) -> int:
+    """Registers per thread a warp-specialized program launches with: its 4 MMA warps, 1 TMA
+    warp and the decoding warps, counted in whole warpgroups, within an SM's 65536 (4
+    decoding warps: 3 warpgroups, 168; 8: 4, 128). The partitions then trade registers."""
+    groups = 1 + triton.cdiv(1 + decode_warps, 4)
+    return 65536 // (128 * groups) // 8 * 8
 
 
 def smem_bytes(kv_format: str, rows: int, stages: int, bufs: int) -> int:
@@ -46,7 +51,7 @@ def variant_feasible(kv_format: str, kv_lens: tuple[int, ...], q_len: int, heads
     if page_size != 1 or kv_format not in FORMATS:
         return False
     if int(config.get("ws", 0)) and (kv_format != "mxfp4" or int(config["warps"]) != 4
-                                     or bufs != 2):
+                                     or bufs != 2 or int(config["ws"]) not in (4, 8)):
         return False  # MXFP4 decoding warps two buffers ahead of one MMA warpgroup
     if kv_format == "bf16" and bufs != 1:
         return False  # bf16 tiles are read where TMA puts them
@@ -77,7 +82,7 @@ class GluonLauncher:
         self.warps = int(config["warps"])
         self.stages = int(config["stages"])
         self.bufs = int(config["bufs"])
-        self.ws = bool(int(config.get("ws", 0)))
+        self.ws = int(config.get("ws", 0))
         batch = len(kv_lens)
         self.row_blocks = triton.cdiv(q_len * heads, self.rows)
         splits = int(config["splits"])
@@ -109,7 +114,7 @@ class GluonLauncher:
                  kv_indptr: torch.Tensor) -> torch.Tensor:
         sc = scales if scales is not None else self.no_scales
         kernel = gws.mla_decode_gluon_ws_kernel if self.ws else gm.mla_decode_gluon_kernel
-        extra = {"maxnreg": WS_MAXNREG} if self.ws else {}
+        extra = {"maxnreg": ws_maxnreg(self.ws), "DW": self.ws} if self.ws else {}
         kernel[self.grid](
             q, *self._descriptors(kv), kv_scale if kv_scale is not None else self.ones, sc,
             scales.stride(0) if scales is not None else 0, qo_indptr, kv_indptr, self.out,

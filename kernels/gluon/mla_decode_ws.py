@@ -6,7 +6,7 @@ product, so nothing would overlap.)
 
 Partitions of one program: the default partition (one warpgroup) runs S, the softmax and
 the value product per tile and the epilogue; a 1-warp loader issues the TMA copies of raw
-tiles into a ring (`raw_ready` / `raw_empty` barriers); 4 decoding warps turn each raw tile
+tiles into a ring (`raw_ready` / `raw_empty` barriers); 4 or 8 decoding warps turn each raw tile
 into the bf16 operand parts, two buffers deep (`k_ready` / `k_empty`). Layout of parts,
 operands and partials as in mla_decode.py.
 """
@@ -14,6 +14,7 @@ operands and partials as in mla_decode.py.
 from __future__ import annotations
 
 from triton.experimental import gluon
+from triton.runtime.jit import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -38,7 +39,12 @@ from .mla_decode import (
     _store_rows,
 )
 
-DECODE_WARPS = gl.constexpr(4)
+@constexpr_function
+def _decode_layout(per_thread, threads, decode_warps):
+    """A decoding partition's layout of raw tile bytes: its warps split the 64 keys."""
+    rank = len(per_thread)
+    return gl.BlockedLayout(per_thread, threads, [decode_warps] + [1] * (rank - 1),
+                            list(range(rank - 1, -1, -1)))
 
 
 @gluon.jit
@@ -66,12 +72,11 @@ def _decode_partition(KD_A, KD_B, KD_RA, KD_RB, KV_SC, sc_stride, kv_start, lo, 
     raw_ready, raw_empty, k_ready, k_empty = bars
     STAGES: gl.constexpr = raw_a.type.shape[0]
     NBUF: gl.constexpr = ka_s.type.shape[0]
-    rv_layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [DECODE_WARPS, 1, 1],
-                                               [2, 1, 0])
-    rr_layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 2, 2], [DECODE_WARPS, 1, 1],
-                                               [2, 1, 0])
-    rv2: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [DECODE_WARPS, 1], [1, 0])
-    rr2: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [DECODE_WARPS, 1], [1, 0])
+    DW: gl.constexpr = gl.num_warps()
+    rv_layout: gl.constexpr = _decode_layout([1, 1, 16], [2, 16, 1], DW)
+    rr_layout: gl.constexpr = _decode_layout([1, 1, 8], [8, 2, 2], DW)
+    rv2: gl.constexpr = _decode_layout([1, 16], [2, 16], DW)
+    rr2: gl.constexpr = _decode_layout([1, 8], [8, 4], DW)
     sv_layout: gl.constexpr = gl.SliceLayout(2, rv_layout)
     sr_layout: gl.constexpr = gl.SliceLayout(2, rr_layout)
     keys_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sv_layout))
@@ -166,13 +171,15 @@ def mla_decode_gluon_ws_kernel(
     QO_INDPTR, KV_INDPTR, OUT, PART_O, PART_LSE,
     H, total_rows, n_splits, qk_scale,
     FMT: gl.constexpr, ROWS: gl.constexpr, STAGES: gl.constexpr, BUFS: gl.constexpr,
-    num_warps: gl.constexpr,
+    DW: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """mla_decode_gluon_kernel's contract for MXFP4, warp-specialized; num_warps is the MMA
-    partition's (4). Two part buffers at least: with one, decoding tile t + 1 would wait for
+    """mla_decode_gluon_kernel's contract for MXFP4, warp-specialized: DW decoding warps (4
+    or 8); num_warps is the MMA partition's (4). Two part buffers at least: with one, decoding tile t + 1 would wait for
     tile t's value product, which waits for the release that tile t + 1's S gives."""
     gl.static_assert(FMT == 2, "the warp-specialized kernel decodes MXFP4 only")
     gl.static_assert(BUFS >= 2, "the warp-specialized kernel needs two part buffers")
+    gl.static_assert((DW == 4) | (DW == 8), "4 or 8 decoding warps")
+    DECODE_REGS: gl.constexpr = 168 if DW == 4 else 120
     pid_m = gl.program_id(0)
     split = gl.program_id(1)
     b = gl.program_id(2)
@@ -239,7 +246,7 @@ def mla_decode_gluon_ws_kernel(
                               limit, qk_scale, ROWS, num_warps)),
             (_load_partition, worker_args),
             (_decode_partition, worker_args),
-        ], [1, DECODE_WARPS], [24, 168])
+        ], [1, DW], [24, DECODE_REGS])
 
         rows_o = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, o_layout))
         row_ok = rows_o < rows

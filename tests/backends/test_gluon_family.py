@@ -12,7 +12,8 @@ import torch
 from mla_tune import backends as registry
 from mla_tune.backends.gluon_family import GluonFamily
 from mla_tune.kernels.gluon.compile import check, compile_variant
-from mla_tune.kernels.gluon.launch import SMEM_LIMIT, auto_splits, smem_bytes, variant_feasible
+from mla_tune.kernels.gluon.launch import (SMEM_LIMIT, auto_splits, smem_bytes, variant_feasible,
+                                          ws_maxnreg)
 from mla_tune.problem.shapes import KVFormat, Shape, generate_input
 from mla_tune.tuning.space import load_backend_space
 
@@ -36,11 +37,14 @@ def test_feasible_points_keep_shared_memory_and_shape_rules() -> None:
     assert not variant_feasible("bf16", (8192,), 1, 16, 1, cfg)  # bf16 has no decode buffers
     assert not variant_feasible("mxfp4", (8192,), 1, 16, 1, dict(cfg, rows=32))  # 16 rows
     assert not variant_feasible("mxfp4", (64,), 1, 16, 1, dict(cfg, splits=2))
-    assert variant_feasible("mxfp4", (8192,), 1, 16, 1, dict(cfg, warps=4, ws=1))
-    assert not variant_feasible("mxfp4", (8192,), 1, 16, 1, dict(cfg, ws=1))  # 4 MMA warps
-    assert not variant_feasible("bf16", (8192,), 1, 16, 1, dict(cfg, bufs=1, ws=1))
-    assert not variant_feasible("fp8", (8192,), 1, 16, 1, dict(cfg, warps=4, bufs=1, ws=1))
-    assert not variant_feasible("mxfp4", (8192,), 1, 16, 1, dict(cfg, warps=4, bufs=1, ws=1))
+    assert variant_feasible("mxfp4", (8192,), 1, 16, 1, dict(cfg, warps=4, ws=4))
+    assert variant_feasible("mxfp4", (8192,), 1, 16, 1, dict(cfg, warps=4, ws=8))
+    assert not variant_feasible("mxfp4", (8192,), 1, 16, 1, dict(cfg, warps=4, ws=2))
+    assert not variant_feasible("mxfp4", (8192,), 1, 16, 1, dict(cfg, ws=4))  # 4 MMA warps
+    assert not variant_feasible("bf16", (8192,), 1, 16, 1, dict(cfg, bufs=1, ws=4))
+    assert not variant_feasible("fp8", (8192,), 1, 16, 1, dict(cfg, warps=4, bufs=1, ws=4))
+    assert not variant_feasible("mxfp4", (8192,), 1, 16, 1, dict(cfg, warps=4, bufs=1, ws=4))
+    assert (ws_maxnreg(4), ws_maxnreg(8)) == (168, 128)
     assert smem_bytes("fp8", 16, 3, 2) > SMEM_LIMIT
 
 
@@ -89,7 +93,8 @@ def _hopper() -> bool:
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs an sm_90 GPU (Gluon has no interpreter)")
-@pytest.mark.parametrize("fmt,ws", [("bf16", 0), ("fp8", 0), ("mxfp4", 0), ("mxfp4", 1)])
+@pytest.mark.parametrize("fmt,ws", [("bf16", 0), ("fp8", 0), ("mxfp4", 0), ("mxfp4", 4),
+                                    ("mxfp4", 8)])
 @pytest.mark.parametrize("q_len,heads,rows,splits", [(1, 16, 16, 1), (1, 16, 16, 3),
                                                      (4, 16, 32, 3), (1, 128, 32, 2)])
 def test_outputs_match_the_reference_on_ragged_batches(fmt: str, ws: int, q_len: int,
