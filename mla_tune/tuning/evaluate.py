@@ -48,11 +48,40 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass(frozen=True)
+class Probe:
+    """A probe batch a variant must also get right (mla_tune.problem.probes), with its task
+    input and float32 reference."""
+
+    shape: Shape
+    data: TaskInput
+    ref: torch.Tensor
+
+
+def _probe_verdict(backend: Backend, config: Mapping[str, Any], device: torch.device,
+                   probe: Probe, tol: Tolerance) -> TrialOutcome | None:
+    """Why the variant is wrong on `probe` ('wrong' outcome), or None: right there, or not
+    a variant the probe's shape can run (the runtime would not route it there either)."""
+    if (backend.supports(probe.shape) or not backend.feasible(probe.shape, config)
+            or backend.precheck(probe.shape, config, device)):
+        return None
+    out = backend.build(probe.shape, config, device)(probe.data)
+    _sync(device)
+    result = check(out, probe.ref, tol)
+    if result.ok:
+        return None
+    return TrialOutcome("wrong", max_abs_err=result.max_abs_err,
+                        mismatch_frac=result.mismatch_frac,
+                        error=f"wrong on the ragged probe batch (kv lengths "
+                              f"{', '.join(map(str, probe.shape.kv_lens))}): {result.reason}")
+
+
 def _build_verified(backend: Backend, shape: Shape, config: Mapping[str, Any],
                     device: torch.device, data: TaskInput, ref: torch.Tensor, tol: Tolerance,
-                    lap: Callable[[str], None]) -> tuple[KernelFn | None, TrialOutcome]:
-    """(the built variant, its 'ok' outcome without timing) if it is correct, else (None,
-    why not); raises on errors."""
+                    lap: Callable[[str], None], probes: Sequence[Probe] = ()
+                    ) -> tuple[KernelFn | None, TrialOutcome]:
+    """(the built variant, its 'ok' outcome without timing) if it is correct on the shape
+    and on every probe batch it can run, else (None, why not); raises on errors."""
     reason = backend.precheck(shape, config, device)
     lap("precheck")
     if reason:
@@ -66,6 +95,13 @@ def _build_verified(backend: Backend, shape: Shape, config: Mapping[str, Any],
     if not result.ok:
         return None, TrialOutcome("wrong", max_abs_err=result.max_abs_err,
                                   mismatch_frac=result.mismatch_frac, error=result.reason)
+    for probe in probes:
+        wrong = _probe_verdict(backend, config, device, probe, tol)
+        if wrong is not None:
+            lap("verify")
+            return None, wrong
+    if probes:
+        lap("probes")
     return fn, TrialOutcome("ok", None, result.max_abs_err, result.mismatch_frac)
 
 
@@ -83,12 +119,15 @@ def _laps() -> tuple[dict[str, float], Callable[[str], None]]:
 
 
 def evaluate(backend: Backend, shape: Shape, config: Mapping[str, Any], device: torch.device,
-             data: TaskInput, ref: torch.Tensor, tol: Tolerance, timer: Timer) -> TrialOutcome:
-    """Build, verify and time one variant; a variant is timed only if it is correct."""
+             data: TaskInput, ref: torch.Tensor, tol: Tolerance, timer: Timer,
+             probes: Sequence[Probe] = ()) -> TrialOutcome:
+    """Build, verify and time one variant; a variant is timed only if it is correct, on
+    the shape and on the `probes` it can run."""
     device = torch.device(device)
     phases, lap = _laps()
     try:
-        fn, outcome = _build_verified(backend, shape, config, device, data, ref, tol, lap)
+        fn, outcome = _build_verified(backend, shape, config, device, data, ref, tol, lap,
+                                      probes)
         if fn is None:
             return replace(outcome, phases=phases)
         stats = timer.measure(lambda: fn(data))

@@ -33,12 +33,14 @@ import torch
 
 from mla_tune.backends import get_backend, register
 from mla_tune.machine.fingerprint import DeviceFingerprint, current_device
+from mla_tune.problem.probes import probe_shapes
 from mla_tune.problem.reference import mla_decode_reference
 from mla_tune.problem.shapes import KVFormat, Shape, TaskInput, generate_input
 from mla_tune.problem.verify import Tolerance, tolerance_for
 from mla_tune.tuning.evaluate import (
     MAX_ERROR_CHARS,
     Contender,
+    Probe,
     TrialOutcome,
     evaluate,
     evaluate_together,
@@ -61,7 +63,8 @@ class WorkerPoolError(RuntimeError):
 
 class WorkerContext:
     """What a worker keeps between jobs: its device, a timer, and the input and reference
-    of the shape it saw last (generating them once per shape, not once per candidate)."""
+    of the shape it saw last and of its probe batches (generating them once per shape, not
+    once per candidate)."""
 
     def __init__(self, device: str, policy: TimingPolicy, seed: int) -> None:
         self.device = torch.device(device)
@@ -69,18 +72,30 @@ class WorkerContext:
         self.timer: Timer = make_timer(self.device, policy)
         self._shape_key: str | None = None
         self._inputs: tuple[TaskInput, torch.Tensor, Tolerance] | None = None
+        self._probes: tuple[Probe, ...] = ()
 
     def inputs(self, shape: Shape) -> tuple[TaskInput, torch.Tensor, Tolerance]:
         """Task input, float32 reference and tolerance of `shape` (only one shape is kept,
         so a long sweep does not pile up device memory)."""
         if self._shape_key != shape.key or self._inputs is None:
-            self._inputs, self._shape_key = None, None
+            self._inputs, self._probes, self._shape_key = None, (), None
             self.free_memory()
             data = generate_input(shape, seed=self.seed, device=self.device)
             ref = mla_decode_reference(*data, kv_format=shape.kv_format.value)
+            probes = []
+            for p in probe_shapes(shape):
+                p_data = generate_input(p, seed=self.seed, device=self.device)
+                probes.append(Probe(p, p_data, mla_decode_reference(
+                    *p_data, kv_format=shape.kv_format.value)))
             self._inputs = data, ref, tolerance_for(shape.kv_format)
+            self._probes = tuple(probes)
             self._shape_key = shape.key
         return self._inputs
+
+    def probes(self, shape: Shape) -> tuple[Probe, ...]:
+        """The probe batches of `shape` with their inputs and references."""
+        self.inputs(shape)
+        return self._probes
 
     @property
     def shape_key(self) -> str | None:
@@ -131,7 +146,8 @@ class TrialJob:
             return TrialOutcome("failed", error=f"could not prepare the candidate: "
                                                 f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
         inputs_s = time.perf_counter() - start
-        outcome = evaluate(backend, shape, self.config, ctx.device, data, ref, tol, ctx.timer)
+        outcome = evaluate(backend, shape, self.config, ctx.device, data, ref, tol, ctx.timer,
+                           ctx.probes(shape))
         if outcome.status == "failed":
             ctx.free_memory()
         return replace(outcome, phases={"inputs": inputs_s, **(outcome.phases or {})})

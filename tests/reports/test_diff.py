@@ -35,11 +35,12 @@ def _add_stack(store: TuningStore, scale: dict[str, float]) -> str:
         last = i == len(trials) - 1
         key, shape_json = (NEW.key, NEW.to_json()) if last else (t.shape_key, t.shape_json)
         k = 1.0 if last else scale[t.shape_key]
-        stats = {s: (getattr(t, s) * k if s.endswith("_us") and s != "std_us" else getattr(t, s))
-                 for s in ("median_us", "mean_us", "std_us", "min_us", "max_us", "n")}
+        stats = None if t.status != "ok" else {
+            s: (getattr(t, s) * k if s.endswith("_us") and s != "std_us" else getattr(t, s))
+            for s in ("median_us", "mean_us", "std_us", "min_us", "max_us", "n")}
         store.record_trial(TrialGroup(dev.id, sw, key, t.backend, t.source_hash),
                            TrialResult(shape_json, t.kv_format, t.config, t.status,
-                                       stats=stats if t.status == "ok" else None))
+                                       stats=stats))
     sources = {"torch": trials[0].source_hash}
     for key in [*scale, NEW.key]:
         update_winner(store, dev.id, sw, key, sources)

@@ -60,7 +60,10 @@ def test_rows_match_stored_trials(store):
             by_splits[s] = min(by_splits.get(s, math.inf), t.median_us)
         assert r.knob_spread["num_splits"] == pytest.approx(
             max(by_splits.values()) / min(by_splits.values()))
-        assert set(r.knob_spread) == {"num_splits", "chunk_size", "compute_dtype"}
+        # Knobs whose correct variants differ (the bf16-compute torch variants are wrong
+        # on the bf16 shape's ragged probe batch, so compute_dtype varies only for fp8).
+        varied = {k for k in ok[0].config if len({t.config[k] for t in ok}) > 1}
+        assert set(r.knob_spread) == varied and {"num_splits", "chunk_size"} <= varied
         data = r.to_json()
         assert data["ci95_us"] == r.ci95_us and data["trials"] == r.counts
 

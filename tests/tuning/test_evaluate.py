@@ -26,3 +26,27 @@ def test_side_by_side_times_only_correct_candidates_in_order():
     assert out[1].stats is None and out[2].stats is None and out[1].max_abs_err > 0
     assert out[0].stats.n == out[3].stats.n >= 5
     assert out[0].stats.median_us > 4000 > out[3].stats.median_us
+
+
+def test_a_variant_right_on_the_shape_but_wrong_on_a_ragged_probe_is_not_timed():
+    from mla_tune.problem.probes import probe_shapes
+    from mla_tune.tuning.evaluate import Probe, evaluate
+    from tests.fixtures.toy_backends import TailDroppingBackend
+
+    shape = Shape.uniform(2, 128)
+    data = generate_input(shape, seed=0, device="cpu")
+    ref = mla_decode_reference(*data, kv_format="bf16")
+    probes = []
+    for p in probe_shapes(shape):
+        p_data = generate_input(p, seed=0, device="cpu")
+        probes.append(Probe(p, p_data, mla_decode_reference(*p_data, kv_format="bf16")))
+    timer = WallTimer(TimingPolicy(warmup=1, min_runs=3, max_runs=3, budget_s=5.0))
+    tol, cpu = tolerance_for(shape.kv_format), torch.device("cpu")
+    cfg = {"delay_ms": 0, "mode": "ok"}
+    # Every length of the shape is a multiple of 64: the dropped tail never shows there.
+    assert evaluate(TailDroppingBackend(), shape, cfg, cpu, data, ref, tol, timer).status == "ok"
+    caught = evaluate(TailDroppingBackend(), shape, cfg, cpu, data, ref, tol, timer, probes)
+    assert caught.status == "wrong" and caught.stats is None
+    assert "probe batch (kv lengths 91, 128, 5)" in caught.error
+    right = evaluate(ToyBackend(), shape, cfg, cpu, data, ref, tol, timer, probes)
+    assert right.status == "ok" and right.stats is not None

@@ -83,9 +83,11 @@ def _table(db: str) -> list[tuple[str, str, str, str]]:
 
 
 def _built(log: Path) -> list[str]:
-    """The candidates built, as `shape_key config_key` (the log adds the worker's pid)."""
+    """The candidates built for the swept shapes, as `shape_key config_key` (the log adds
+    the worker's pid). The swept shapes here are uniform; builds for a candidate's ragged
+    probe batch (key `...-kvr...`, mla_tune/problem/probes.py) are part of its check."""
     lines = log.read_text().splitlines() if log.exists() else []
-    return [line.rsplit(" ", 1)[0] for line in lines]
+    return [line.rsplit(" ", 1)[0] for line in lines if "-kvr" not in line.split(" ", 1)[0]]
 
 
 def _keys(trials) -> set[str]:

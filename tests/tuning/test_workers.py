@@ -32,3 +32,16 @@ def test_a_runoff_across_formats_builds_and_checks_each_candidate_in_its_own_for
     # Without the formats every candidate is built for the job's own shape (bf16).
     alone = RunoffJob(shape.to_json(), cands).run(ctx)
     assert [o.status for o in alone] == ["ok", "failed", "failed"]
+
+
+def test_a_trial_job_checks_the_shapes_probe_batches():
+    from mla_tune.backends import register
+    from mla_tune.tuning.workers import TrialJob
+
+    register("taildrop", "tests.fixtures.toy_backends:TailDroppingBackend")
+    ctx = WorkerContext("cpu", TimingPolicy(warmup=1, min_runs=3, max_runs=3), seed=0)
+    shape = Shape.uniform(2, 128)
+    (probe,) = ctx.probes(shape)
+    assert probe.shape.kv_lens == (91, 128, 5) and probe.ref.shape == (3, 16, 512)
+    out = TrialJob(shape.to_json(), "taildrop", {"delay_ms": 0, "mode": "ok"}).run(ctx)
+    assert out.status == "wrong" and "probe batch" in out.error

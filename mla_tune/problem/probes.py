@@ -1,0 +1,44 @@
+"""Probe batches: small ragged batches a variant must also get right before it is timed.
+
+A sweep verifies a variant on the shape it tunes, and a uniform shape such as 256x8192 has
+every length a multiple of every tile size, so a kernel that drops a sequence's partial last
+tile, mishandles a sequence shorter than one tile or masks the wrong causal rows (q_len > 1)
+would pass there. The runtime may still run that variant on other lengths (a bucket or the
+nearest tuned shape serves calls with no exact winner), so each variant is also checked on
+a ragged batch derived from the shape: the same q_len, heads, format and page size, and
+lengths no longer than the shape's longest: one just short of it (a partial last tile and
+split), one of two tiles and a key, one shorter than any tile, repeated.
+
+The batch keeps the shape's batch size class (16 sequences when the shape's batch is a
+multiple of 16, else 3) and a key total that is a multiple of 16, so integer arguments that
+JIT compilers specialize on (divisible by 16 or not) fall in the same class as the shape's,
+and a probe seldom compiles a kernel of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from itertools import cycle, islice
+
+from mla_tune.problem.shapes import Shape
+
+
+def probe_lengths(longest: int, q_len: int, batch: int) -> tuple[int, ...]:
+    """kv lengths (each >= q_len, none above `longest`) whose tails cut every tile size the
+    families use (16 to 128 keys): longest - 37, 129 and a few keys, repeated for 16
+    sequences when `batch` is a multiple of 16 (else 3); the last one set so the total is
+    a multiple of 16 where that keeps it between q_len and 20 keys."""
+    base = tuple(max(q_len, min(longest, n)) for n in (longest - 37, 129, 5))
+    lens = list(islice(cycle(base), 16 if batch % 16 == 0 else 3))
+    last = lens[-1] - sum(lens) % 16
+    last += 16 if last < q_len else 0
+    if q_len <= last <= min(20, longest):
+        lens[-1] = last
+    return tuple(lens)
+
+
+def probe_shapes(shape: Shape) -> tuple[Shape, ...]:
+    """The ragged probe batches of `shape` (none when a probe would be `shape` itself)."""
+    lens = probe_lengths(max(shape.kv_lens), shape.q_len, shape.batch)
+    probe = replace(shape, batch=len(lens), kv_lens=lens)
+    return () if probe == shape else (probe,)
