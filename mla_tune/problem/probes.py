@@ -7,7 +7,8 @@ would pass there. The runtime may still run that variant on other lengths (a buc
 nearest tuned shape serves calls with no exact winner), so each variant is also checked on
 a ragged batch derived from the shape: the same q_len, heads, format and page size, and
 lengths no longer than the shape's longest: one just short of it (a partial last tile and
-split), one of two tiles and a key, one shorter than any tile, repeated.
+split), one of two tiles and a key, one shorter than any tile, repeated; and the same at
+q_len 4, whose causal rows a q_len-1 shape never exercises.
 
 The batch keeps the shape's batch size class (16 sequences when the shape's batch is a
 multiple of 16, else 3) and a key total that is a multiple of 16, so integer arguments that
@@ -37,8 +38,18 @@ def probe_lengths(longest: int, q_len: int, batch: int) -> tuple[int, ...]:
     return tuple(lens)
 
 
+PROBE_Q_LEN = 4
+"""The q_len of the causal probe: routing may carry a winner to another q_len family
+(mla_tune/runtime/routing.py), so a q_len-1 variant must mask q_len > 1 rows right too."""
+
+
 def probe_shapes(shape: Shape) -> tuple[Shape, ...]:
-    """The ragged probe batches of `shape` (none when a probe would be `shape` itself)."""
-    lens = probe_lengths(max(shape.kv_lens), shape.q_len, shape.batch)
-    probe = replace(shape, batch=len(lens), kv_lens=lens)
-    return () if probe == shape else (probe,)
+    """The probe batches of `shape`: ragged at its own q_len, and ragged at PROBE_Q_LEN
+    when that differs and the shape's longest sequence holds it (none that equals `shape`)."""
+    longest = max(shape.kv_lens)
+    probes = []
+    for q_len in dict.fromkeys((shape.q_len, PROBE_Q_LEN)):
+        if q_len <= longest:
+            lens = probe_lengths(longest, q_len, shape.batch)
+            probes.append(replace(shape, batch=len(lens), kv_lens=lens, q_len=q_len))
+    return tuple(p for p in probes if p != shape)

@@ -27,6 +27,7 @@ import torch
 
 from mla_tune.backends import Backend, get_backend
 from mla_tune.machine.fingerprint import current_device
+from mla_tune.problem.probes import probe_shapes
 from mla_tune.problem.shapes import Shape
 from mla_tune.tuning.timing import TimingPolicy
 from mla_tune.tuning.workers import WorkerContext, WorkerPool
@@ -84,20 +85,24 @@ class CompileTask:
 def plan_compiles(shapes: Sequence[Shape], backends: Sequence[Backend], device: torch.device,
                   pins: Mapping[str, Mapping[str, list[Any]]] | None = None
                   ) -> list[CompileTask]:
-    """One task per distinct compiled kernel among the candidates of `shapes`, in shape
+    """One task per distinct compiled kernel among the candidates of `shapes` and of the
+    probe batches each candidate is also checked on (mla_tune.problem.probes), in shape
     order (the first shapes' kernels are ready first)."""
     tasks: list[CompileTask] = []
     seen: set[tuple[str, Hashable]] = set()
     for shape in shapes:
+        probes = probe_shapes(shape)
         for backend in backends:
             if backend.supports(shape):
                 continue
             for config in backend.candidates(shape, device, (pins or {}).get(backend.name)):
-                key = backend.compile_key(shape, config, device)
-                if key is None or (backend.name, key) in seen:
-                    continue
-                seen.add((backend.name, key))
-                tasks.append(CompileTask(backend.name, shape, dict(config)))
+                for s in (shape, *(p for p in probes if not backend.supports(p)
+                                   and backend.feasible(p, config))):
+                    key = backend.compile_key(s, config, device)
+                    if key is None or (backend.name, key) in seen:
+                        continue
+                    seen.add((backend.name, key))
+                    tasks.append(CompileTask(backend.name, s, dict(config)))
     return tasks
 
 

@@ -72,8 +72,9 @@ def _probe_verdict(backend: Backend, config: Mapping[str, Any], device: torch.de
         return None
     return TrialOutcome("wrong", max_abs_err=result.max_abs_err,
                         mismatch_frac=result.mismatch_frac,
-                        error=f"wrong on the ragged probe batch (kv lengths "
-                              f"{', '.join(map(str, probe.shape.kv_lens))}): {result.reason}")
+                        error=f"wrong on the ragged probe batch (q_len {probe.shape.q_len}, kv "
+                              f"lengths {', '.join(map(str, probe.shape.kv_lens))}): "
+                              f"{result.reason}")
 
 
 def _build_verified(backend: Backend, shape: Shape, config: Mapping[str, Any],

@@ -26,5 +26,10 @@ def test_a_probe_keeps_everything_but_the_lengths():
                                                                             KVFormat.MXFP4, 64)
 
 
+def test_a_q_len_1_shape_is_also_probed_at_q_len_4():
+    probes = probe_shapes(Shape.uniform(2, 128))
+    assert [(p.q_len, p.kv_lens) for p in probes] == [(1, (91, 128, 5)), (4, (91, 128, 5))]
+
+
 def test_no_probe_when_it_would_be_the_shape_itself():
     assert probe_shapes(Shape(3, (1, 1, 1))) == ()

@@ -34,6 +34,23 @@ def test_plan_has_one_task_per_distinct_kernel_in_shape_order():
     assert [t.config["block"] for t in pinned] == [2]
 
 
+def test_plan_compiles_the_kernels_of_the_probe_batches_too():
+    from tests.fixtures.compile_backends import CompiledBackend
+
+    class PerQLen(CompiledBackend):
+        """A family that compiles one kernel per q_len (its row block depends on it)."""
+
+        def compile_key(self, shape, config, device):
+            return int(config["block"]), shape.q_len
+
+    shape = Shape.uniform(2, 128)
+    tasks = plan_compiles([shape], [PerQLen()], torch.device("cpu"),
+                          {"compiled": {"block": [2]}})
+    # The shape's kernel, then its q_len-4 probe's (the q_len-1 probe shares the first).
+    assert [(t.shape.q_len, t.shape.kv_lens) for t in tasks] == [
+        (1, (128, 128)), (4, (91, 128, 5))]
+
+
 def test_default_processes_leave_cores_to_driver_and_gpu_workers():
     cores = os.cpu_count() or 1
     assert default_processes(1000, 2) == max(1, cores - 3)

@@ -41,7 +41,24 @@ def test_a_trial_job_checks_the_shapes_probe_batches():
     register("taildrop", "tests.fixtures.toy_backends:TailDroppingBackend")
     ctx = WorkerContext("cpu", TimingPolicy(warmup=1, min_runs=3, max_runs=3), seed=0)
     shape = Shape.uniform(2, 128)
-    (probe,) = ctx.probes(shape)
+    probe = ctx.probes(shape)[0]
     assert probe.shape.kv_lens == (91, 128, 5) and probe.ref.shape == (3, 16, 512)
     out = TrialJob(shape.to_json(), "taildrop", {"delay_ms": 0, "mode": "ok"}).run(ctx)
     assert out.status == "wrong" and "probe batch" in out.error
+
+
+def test_a_q_len_1_variant_is_also_checked_at_q_len_4():
+    from mla_tune.backends import register
+    from mla_tune.tuning.workers import TrialJob
+
+    register("causalblind", "tests.fixtures.toy_backends:CausalBlindBackend")
+    ctx = WorkerContext("cpu", TimingPolicy(warmup=1, min_runs=3, max_runs=3), seed=0)
+    shape = Shape.uniform(2, 128)
+    assert [p.shape.q_len for p in ctx.probes(shape)] == [1, 4]
+    out = TrialJob(shape.to_json(), "causalblind", {"delay_ms": 0, "mode": "ok"}).run(ctx)
+    assert out.status == "wrong" and "probe batch (q_len 4," in out.error
+    # The same kernel is right on the q_len-1 shape itself.
+    data, ref, tol = ctx.inputs(shape)
+    from mla_tune.problem.verify import check
+    from tests.fixtures.toy_backends import CausalBlindBackend
+    assert check(CausalBlindBackend().build(shape, {}, ctx.device)(data), ref, tol).ok
