@@ -22,7 +22,6 @@ SMEM_LIMIT = SHARED_LIMIT["cuda:90"]
 FORMATS = {"bf16": gm.FMT_BF16, "fp8": gm.FMT_FP8, "mxfp4": gm.FMT_MXFP4}
 
 
-
 def ws_maxnreg(decode_warps: int) -> int:
     """Registers per thread a warp-specialized program launches with: its 4 MMA warps, 1 TMA
     warp and the decoding warps, counted in whole warpgroups, within an SM's 65536 (4

@@ -26,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .mla_decode import (
     BLOCK_N,
+    FMT_MXFP4,
     D_HALF,
     D_ROPE_HALF,
     _bf16_part,
@@ -39,6 +40,9 @@ from .mla_decode import (
     _store_rows,
 )
 
+MXFP4 = gl.constexpr(FMT_MXFP4)
+
+
 @constexpr_function
 def _decode_layout(per_thread, threads, decode_warps):
     """A decoding partition's layout of raw tile bytes: its warps split the 64 keys."""
@@ -49,7 +53,7 @@ def _decode_layout(per_thread, threads, decode_warps):
 
 @gluon.jit
 def _load_partition(KD_A, KD_B, KD_RA, KD_RB, KV_SC, sc_stride, kv_start, lo, hi, n_tiles,
-                    raw, parts, bars, FMT: gl.constexpr):
+                    raw, parts, bars):
     """Issue tile t's TMA copies once its raw slot is free."""
     raw_a, raw_b, raw_ra, raw_rb = raw
     raw_ready, raw_empty, k_ready, k_empty = bars
@@ -59,12 +63,12 @@ def _load_partition(KD_A, KD_B, KD_RA, KD_RB, KV_SC, sc_stride, kv_start, lo, hi
         mbarrier.wait(raw_empty.index(s), ((t // STAGES) & 1) ^ 1)
         _issue_tile(KD_A, KD_B, KD_RA, KD_RB, (kv_start + lo + t * BLOCK_N).to(gl.int32),
                     raw_ready.index(s), raw_a.index(s), raw_b.index(s), raw_ra.index(s),
-                    raw_rb.index(s), True, FMT)
+                    raw_rb.index(s), True, MXFP4)
 
 
 @gluon.jit
 def _decode_partition(KD_A, KD_B, KD_RA, KD_RB, KV_SC, sc_stride, kv_start, lo, hi, n_tiles,
-                      raw, parts, bars, FMT: gl.constexpr):
+                      raw, parts, bars):
     """Decode raw tile t into part buffer t % 2 once the value product two tiles back has
     released it; release the raw slot as soon as its bytes are in registers."""
     raw_a, raw_b, raw_ra, raw_rb = raw
@@ -176,7 +180,7 @@ def mla_decode_gluon_ws_kernel(
     """mla_decode_gluon_kernel's contract for MXFP4, warp-specialized: DW decoding warps (4
     or 8); num_warps is the MMA partition's (4). Two part buffers at least: with one, decoding tile t + 1 would wait for
     tile t's value product, which waits for the release that tile t + 1's S gives."""
-    gl.static_assert(FMT == 2, "the warp-specialized kernel decodes MXFP4 only")
+    gl.static_assert(FMT == MXFP4, "the warp-specialized kernel decodes MXFP4 only")
     gl.static_assert(BUFS >= 2, "the warp-specialized kernel needs two part buffers")
     gl.static_assert((DW == 4) | (DW == 8), "4 or 8 decoding warps")
     DECODE_REGS: gl.constexpr = 168 if DW == 4 else 120
@@ -240,7 +244,7 @@ def mla_decode_gluon_ws_kernel(
         parts = (ka_s, kb_s, kra_s, krb_s)
         bars = (raw_ready, raw_empty, k_ready, k_empty)
         worker_args = (KD_A, KD_B, KD_RA, KD_RB, KV_SC, sc_stride, kv_start, lo, hi, n_tiles,
-                       raw, parts, bars, FMT)
+                       raw, parts, bars)
         o_a, o_b, m_i, l_i = gl.warp_specialize([
             (_mma_partition, (qa_s, qb_s, qra_s, qrb_s, p_s, parts, bars, n_tiles, lo, hi,
                               limit, qk_scale, ROWS, num_warps)),
