@@ -178,8 +178,9 @@ def mla_decode_gluon_ws_kernel(
     DW: gl.constexpr, num_warps: gl.constexpr,
 ):
     """mla_decode_gluon_kernel's contract for MXFP4, warp-specialized: DW decoding warps (4
-    or 8); num_warps is the MMA partition's (4). Two part buffers at least: with one, decoding tile t + 1 would wait for
-    tile t's value product, which waits for the release that tile t + 1's S gives."""
+    or 8); num_warps is the MMA partition's (4). Two part buffers at least: with one,
+    decoding tile t + 1 would wait for tile t's value product, which waits for the release
+    that tile t + 1's S gives."""
     gl.static_assert(FMT == MXFP4, "the warp-specialized kernel decodes MXFP4 only")
     gl.static_assert(BUFS >= 2, "the warp-specialized kernel needs two part buffers")
     gl.static_assert((DW == 4) | (DW == 8), "4 or 8 decoding warps")
