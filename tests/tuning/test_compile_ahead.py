@@ -48,7 +48,7 @@ def test_plan_compiles_the_kernels_of_the_probe_batches_too():
                           {"compiled": {"block": [2]}})
     # The shape's kernel, then its q_len-4 probe's (the q_len-1 probe shares the first).
     assert [(t.shape.q_len, t.shape.kv_lens) for t in tasks] == [
-        (1, (128, 128)), (4, (91, 128, 5))]
+        (1, (128, 128)), (4, (91, 128, 21))]
 
 
 def test_default_processes_leave_cores_to_driver_and_gpu_workers():

@@ -47,6 +47,6 @@ def test_a_variant_right_on_the_shape_but_wrong_on_a_ragged_probe_is_not_timed()
     assert evaluate(TailDroppingBackend(), shape, cfg, cpu, data, ref, tol, timer).status == "ok"
     caught = evaluate(TailDroppingBackend(), shape, cfg, cpu, data, ref, tol, timer, probes)
     assert caught.status == "wrong" and caught.stats is None
-    assert "probe batch (q_len 1, kv lengths 91, 128, 5)" in caught.error
+    assert "probe batch (q_len 1, kv lengths 91, 128, 21)" in caught.error
     right = evaluate(ToyBackend(), shape, cfg, cpu, data, ref, tol, timer, probes)
     assert right.status == "ok" and right.stats is not None

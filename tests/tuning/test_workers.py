@@ -42,7 +42,7 @@ def test_a_trial_job_checks_the_shapes_probe_batches():
     ctx = WorkerContext("cpu", TimingPolicy(warmup=1, min_runs=3, max_runs=3), seed=0)
     shape = Shape.uniform(2, 128)
     probe = ctx.probes(shape)[0]
-    assert probe.shape.kv_lens == (91, 128, 5) and probe.ref.shape == (3, 16, 512)
+    assert probe.shape.kv_lens == (91, 128, 21) and probe.ref.shape == (3, 16, 512)
     out = TrialJob(shape.to_json(), "taildrop", {"delay_ms": 0, "mode": "ok"}).run(ctx)
     assert out.status == "wrong" and "probe batch" in out.error
 
