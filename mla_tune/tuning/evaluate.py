@@ -65,16 +65,19 @@ def _probe_verdict(backend: Backend, config: Mapping[str, Any], device: torch.de
     if (backend.supports(probe.shape) or not backend.feasible(probe.shape, config)
             or backend.precheck(probe.shape, config, device)):
         return None
-    out = backend.build(probe.shape, config, device)(probe.data)
-    _sync(device)
+    where = (f"the ragged probe batch (q_len {probe.shape.q_len}, kv lengths "
+             f"{', '.join(map(str, probe.shape.kv_lens))})")
+    try:
+        out = backend.build(probe.shape, config, device)(probe.data)
+        _sync(device)
+    except Exception as exc:
+        raise RuntimeError(f"on {where}: {_error_text(exc)}") from exc
     result = check(out, probe.ref, tol)
     if result.ok:
         return None
     return TrialOutcome("wrong", max_abs_err=result.max_abs_err,
                         mismatch_frac=result.mismatch_frac,
-                        error=f"wrong on the ragged probe batch (q_len {probe.shape.q_len}, kv "
-                              f"lengths {', '.join(map(str, probe.shape.kv_lens))}): "
-                              f"{result.reason}")
+                        error=f"wrong on {where}: {result.reason}")
 
 
 def _build_verified(backend: Backend, shape: Shape, config: Mapping[str, Any],
@@ -99,7 +102,7 @@ def _build_verified(backend: Backend, shape: Shape, config: Mapping[str, Any],
     for probe in probes:
         wrong = _probe_verdict(backend, config, device, probe, tol)
         if wrong is not None:
-            lap("verify")
+            lap("probes")
             return None, wrong
     if probes:
         lap("probes")

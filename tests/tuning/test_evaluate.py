@@ -50,3 +50,30 @@ def test_a_variant_right_on_the_shape_but_wrong_on_a_ragged_probe_is_not_timed()
     assert "probe batch (q_len 1, kv lengths 91, 128, 21)" in caught.error
     right = evaluate(ToyBackend(), shape, cfg, cpu, data, ref, tol, timer, probes)
     assert right.status == "ok" and right.stats is not None
+
+
+def test_a_variant_that_crashes_on_a_probe_fails_naming_the_probe():
+    from mla_tune.problem.probes import probe_shapes
+    from mla_tune.tuning.evaluate import Probe, evaluate
+
+    class ShapeBound(ToyBackend):
+        """Builds for its tuned shape only: any other batch raises, as a kernel whose
+        launch was hard-wired to one shape would."""
+
+        def build(self, shape, config, device):
+            if shape.is_ragged:
+                raise RuntimeError("grid built for 2 sequences")
+            return super().build(shape, config, device)
+
+    shape = Shape.uniform(2, 128)
+    data = generate_input(shape, seed=0, device="cpu")
+    ref = mla_decode_reference(*data, kv_format="bf16")
+    (p, _) = probe_shapes(shape)
+    p_data = generate_input(p, seed=0, device="cpu")
+    probe = Probe(p, p_data, mla_decode_reference(*p_data, kv_format="bf16"))
+    timer = WallTimer(TimingPolicy(warmup=1, min_runs=3, max_runs=3, budget_s=5.0))
+    out = evaluate(ShapeBound(), shape, {"delay_ms": 0, "mode": "ok"}, torch.device("cpu"),
+                   data, ref, tolerance_for(shape.kv_format), timer, [probe])
+    assert out.status == "failed" and out.stats is None
+    assert "on the ragged probe batch (q_len 1, kv lengths 91, 128, 21)" in out.error
+    assert "grid built for 2 sequences" in out.error
