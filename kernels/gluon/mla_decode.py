@@ -145,6 +145,171 @@ def _issue_tile(KD_A, KD_B, KD_RA, KD_RB, row0, bar, dst_a, dst_b, dst_ra, dst_r
                                         pred=pred)
 
 
+@constexpr_function
+def _decode_layout(per_thread, threads, warps):
+    """A layout of raw tile bytes for decoding: the warps split the 64 keys. A thread takes
+    16 bytes (MXFP4: one 32-value block) of a key's value bytes, 8 of its rope bytes."""
+    rank = len(per_thread)
+    return gl.BlockedLayout(per_thread, threads, [warps] + [1] * (rank - 1),
+                            list(range(rank - 1, -1, -1)))
+
+
+@gluon.jit
+def _program(QO_INDPTR, KV_INDPTR, H, n_splits, ROWS: gl.constexpr):
+    """This program's sequence, row block and split: (split, q_start, q_len, rows, r0,
+    kv_start, L, chunk, n_act); it has work when r0 < rows and split < n_act."""
+    pid_m = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    q_start = gl.load(QO_INDPTR + b)
+    q_len = gl.load(QO_INDPTR + b + 1) - q_start
+    kv_start = gl.load(KV_INDPTR + b)
+    L = gl.load(KV_INDPTR + b + 1) - kv_start
+    chunk = gl.cdiv(gl.cdiv(L, n_splits), BLOCK_N) * BLOCK_N
+    return (split, q_start, q_len, q_len * H, pid_m * ROWS, kv_start, L, chunk,
+            gl.cdiv(L, chunk))
+
+
+@gluon.jit
+def _key_range(split, chunk, L, q_len, r0, H, ROWS: gl.constexpr):
+    """(lo, hi, n_tiles): the split's keys, cut at the last key the block's rows see."""
+    j_max = gl.minimum((r0 + ROWS - 1) // H, q_len - 1)
+    lo = split * chunk
+    hi = gl.minimum(gl.minimum(lo + chunk, L), L - q_len + j_max + 1)
+    return lo, hi, gl.cdiv(hi - lo, BLOCK_N)
+
+
+@gluon.jit
+def _q_to_shared(Q, q_start, r0, rows, H, FMT: gl.constexpr, ROWS: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """The block's query rows in shared memory, once per program, in the parts' dim
+    order: MXFP4's by parity (A: even dims, B: odd), the others' by halves."""
+    q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    rows_q = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
+    grow_q = (q_start * H + rows_q).to(gl.int64)
+    q_ok = rows_q < rows
+    step: gl.constexpr = 2 if FMT == 2 else 1
+    d_b: gl.constexpr = 1 if FMT == 2 else D_HALF
+    d_rb: gl.constexpr = 513 if FMT == 2 else 2 * D_HALF + D_ROPE_HALF
+    qa = _load_q_part(Q, grow_q, q_ok, 0, step, D_HALF, q_layout, ROWS)
+    qb = _load_q_part(Q, grow_q, q_ok, d_b, step, D_HALF, q_layout, ROWS)
+    qra = _load_q_part(Q, grow_q, q_ok, 2 * D_HALF, step, D_ROPE_HALF, q_layout, ROWS)
+    qrb = _load_q_part(Q, grow_q, q_ok, d_rb, step, D_ROPE_HALF, q_layout, ROWS)
+    qa_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_HALF], _q_part(ROWS, D_HALF), qa)
+    qb_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_HALF], _q_part(ROWS, D_HALF), qb)
+    qra_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_ROPE_HALF],
+                                      _q_part(ROWS, D_ROPE_HALF), qra)
+    qrb_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_ROPE_HALF],
+                                      _q_part(ROWS, D_ROPE_HALF), qrb)
+    return qa_s, qb_s, qra_s, qrb_s
+
+
+@gluon.jit
+def _mxfp4_scales(KV_SC, sc_stride, kv_start, n0, hi, WARPS: gl.constexpr):
+    """Scale bytes of the tile at keys n0.. (rows of sc_stride bytes: not a TMA stride) in
+    the decode layouts of `WARPS` warps: (value scales, their keys in range, rope scales,
+    theirs)."""
+    sv_layout: gl.constexpr = gl.SliceLayout(2, _decode_layout([1, 1, 16], [2, 16, 1], WARPS))
+    sr_layout: gl.constexpr = gl.SliceLayout(2, _decode_layout([1, 1, 8], [8, 2, 2], WARPS))
+    keys_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sv_layout))
+    blk_v = gl.arange(0, 16, layout=gl.SliceLayout(0, sv_layout))
+    keys_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sr_layout))
+    blk_r = gl.arange(0, 2, layout=gl.SliceLayout(0, sr_layout))
+    kv_ok = (n0 + keys_v) < hi
+    sc_v = gl.load(KV_SC + gl.expand_dims((kv_start + n0 + keys_v).to(gl.int64), 1)
+                   * sc_stride + gl.expand_dims(blk_v, 0), mask=gl.expand_dims(kv_ok, 1),
+                   other=0)
+    kr_ok = (n0 + keys_r) < hi
+    sc_r = gl.load(KV_SC + gl.expand_dims((kv_start + n0 + keys_r).to(gl.int64), 1)
+                   * sc_stride + 16 + gl.expand_dims(blk_r, 0), mask=gl.expand_dims(kr_ok, 1),
+                   other=0)
+    return sc_v, kv_ok, sc_r, kr_ok
+
+
+@gluon.jit
+def _raw_mxfp4(raw_a, raw_ra, WARPS: gl.constexpr):
+    """A raw MXFP4 tile's value bytes [64, 16, 16] and rope bytes [64, 2, 16] out of shared
+    memory, in the decode layouts of `WARPS` warps."""
+    pv = raw_a.load(_decode_layout([1, 16], [2, 16], WARPS)).reshape([BLOCK_N, 16, 16])
+    pr = raw_ra.load(_decode_layout([1, 8], [8, 4], WARPS)).reshape([BLOCK_N, 2, 16])
+    return (gl.convert_layout(pv, _decode_layout([1, 1, 16], [2, 16, 1], WARPS)),
+            gl.convert_layout(pr, _decode_layout([1, 1, 8], [8, 2, 2], WARPS)))
+
+
+@gluon.jit
+def _decode_mxfp4(pv, pr, scales):
+    """Raw bytes (_raw_mxfp4) and their scales (_mxfp4_scales) -> the four bf16 parts."""
+    sc_v, kv_ok, sc_r, kr_ok = scales
+    va, vb = _decode_blocks(pv, sc_v, kv_ok)
+    ra, rb = _decode_blocks(pr, sc_r, kr_ok)
+    return (va.reshape([BLOCK_N, D_HALF]), vb.reshape([BLOCK_N, D_HALF]),
+            ra.reshape([BLOCK_N, D_ROPE_HALF]), rb.reshape([BLOCK_N, D_ROPE_HALF]))
+
+
+@gluon.jit
+def _issue_scores(ka, kb, kra, krb, q_parts, acc_s):
+    """S^T = K Q^T of one tile's parts, issued async (acc_s: its accumulator)."""
+    qa_s, qb_s, qra_s, qrb_s = q_parts
+    acc_s = warpgroup_mma(ka, qa_s.permute((1, 0)), acc_s, use_acc=False, is_async=True)
+    acc_s = warpgroup_mma(kb, qb_s.permute((1, 0)), acc_s, is_async=True)
+    acc_s = warpgroup_mma(kra, qra_s.permute((1, 0)), acc_s, is_async=True)
+    return warpgroup_mma(krb, qrb_s.permute((1, 0)), acc_s, is_async=True)
+
+
+@gluon.jit
+def _softmax_and_values(acc_s, ka, kb, p_s, state, key, hi, limit, scale,
+                        o_layout: gl.constexpr):
+    """Online softmax of a tile's finished scores (keys `key` on the M side, log2 domain),
+    P to shared memory, the running output rescaled and the value product O^T += V^T P^T
+    issued async. state and the result: (O_A, O_B, m, l)."""
+    o_a, o_b, m_i, l_i = state
+    valid = (gl.expand_dims(key, 1) < hi) & (gl.expand_dims(key, 1) <= gl.expand_dims(limit, 0))
+    s = gl.where(valid, acc_s * scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - gl.expand_dims(m_new, 0))
+    l_i = l_i * alpha + gl.sum(p, axis=0)
+    p_s.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+    fence_async_shared()
+    gl.thread_barrier()
+    alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))
+    o_a = o_a * gl.expand_dims(alpha_o, 0)
+    o_b = o_b * gl.expand_dims(alpha_o, 0)
+    o_a = warpgroup_mma(ka.permute((1, 0)), p_s.permute((1, 0)), o_a, is_async=True)
+    o_b = warpgroup_mma(kb.permute((1, 0)), p_s.permute((1, 0)), o_b, is_async=True)
+    return o_a, o_b, m_new, l_i
+
+
+@gluon.jit
+def _write_block(state, out_scale, OUT, PART_O, PART_LSE, q_start, H, r0, rows, split,
+                 total_rows, n_act, FMT: gl.constexpr, ROWS: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """Normalize the block's output; write it (one split) or a partial and its
+    log2-sum-exp, in the parts' dim order (_q_to_shared)."""
+    o_a, o_b, m_i, l_i = state
+    s_layout: gl.constexpr = _s_layout(ROWS, num_warps)
+    o_layout: gl.constexpr = _o_layout(ROWS, num_warps)
+    step: gl.constexpr = 2 if FMT == 2 else 1
+    d_b: gl.constexpr = 1 if FMT == 2 else D_HALF
+    rows_o = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, o_layout))
+    row_ok = rows_o < rows
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(0, o_layout))
+    inv = gl.expand_dims(out_scale / gl.where(l_o > 0, l_o, 1.0), 0)
+    o_a = o_a * inv
+    o_b = o_b * inv
+    grow = (q_start * H + rows_o).to(gl.int64)
+    if n_act == 1:
+        _store_rows(OUT, o_a.to(gl.bfloat16), grow, row_ok, 0, step, o_layout)
+        _store_rows(OUT, o_b.to(gl.bfloat16), grow, row_ok, d_b, step, o_layout)
+    else:
+        prow = split * total_rows + grow
+        _store_rows(PART_O, o_a, prow, row_ok, 0, step, o_layout)
+        _store_rows(PART_O, o_b, prow, row_ok, d_b, step, o_layout)
+        rows_l = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+        gl.store(PART_LSE + split * total_rows + q_start * H + rows_l,
+                 m_i + gl.log2(l_i), mask=rows_l < rows)
+
+
 @gluon.jit
 def mla_decode_gluon_kernel(
     Q, KD_A, KD_B, KD_RA, KD_RB, KV_SCALE, KV_SC, sc_stride,
@@ -159,56 +324,25 @@ def mla_decode_gluon_kernel(
     [64, 32] at 256, KD_B and KD_RB unused). KV_SCALE: fp8's per-tensor scale; KV_SC,
     sc_stride: MXFP4's scale rows. STAGES: tiles in flight; BUFS: decoded part buffers
     (fp8, MXFP4: 2 lets a tile be decoded while the last one's value product runs)."""
-    pid_m = gl.program_id(0)
-    split = gl.program_id(1)
-    b = gl.program_id(2)
-    q_start = gl.load(QO_INDPTR + b)
-    q_len = gl.load(QO_INDPTR + b + 1) - q_start
-    rows = q_len * H
-    r0 = pid_m * ROWS
-    kv_start = gl.load(KV_INDPTR + b)
-    L = gl.load(KV_INDPTR + b + 1) - kv_start
-    chunk = gl.cdiv(gl.cdiv(L, n_splits), BLOCK_N) * BLOCK_N
-    n_act = gl.cdiv(L, chunk)
+    split, q_start, q_len, rows, r0, kv_start, L, chunk, n_act = _program(
+        QO_INDPTR, KV_INDPTR, H, n_splits, ROWS)
     if (r0 < rows) & (split < n_act):
         s_layout: gl.constexpr = _s_layout(ROWS, num_warps)
         o_layout: gl.constexpr = _o_layout(ROWS, num_warps)
-        q_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
         ka_layout: gl.constexpr = _bf16_part(D_HALF)
         kr_layout: gl.constexpr = _bf16_part(D_ROPE_HALF)
 
         # Rows of this block, their causal limits (inclusive) and the keys to visit.
-        rows_q = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, q_layout))
-        grow_q = (q_start * H + rows_q).to(gl.int64)
         rows_s = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
         limit = L - q_len + rows_s // H
-        j_max = gl.minimum((r0 + ROWS - 1) // H, q_len - 1)
-        lo = split * chunk
-        hi = gl.minimum(gl.minimum(lo + chunk, L), L - q_len + j_max + 1)
-        n_tiles = gl.cdiv(hi - lo, BLOCK_N)
+        lo, hi, n_tiles = _key_range(split, chunk, L, q_len, r0, H, ROWS)
         scale = qk_scale
         out_scale = 1.0
         if FMT == 1:
             kv_scale = gl.load(KV_SCALE)
             scale = qk_scale * kv_scale
             out_scale = kv_scale
-
-        # Q, once per program, in the parts' dim order: MXFP4's by parity (A: even dims,
-        # B: odd), the others' by halves.
-        q_ok = rows_q < rows
-        step: gl.constexpr = 2 if FMT == 2 else 1
-        d_b: gl.constexpr = 1 if FMT == 2 else D_HALF
-        d_rb: gl.constexpr = 513 if FMT == 2 else 2 * D_HALF + D_ROPE_HALF
-        qa = _load_q_part(Q, grow_q, q_ok, 0, step, D_HALF, q_layout, ROWS)
-        qb = _load_q_part(Q, grow_q, q_ok, d_b, step, D_HALF, q_layout, ROWS)
-        qra = _load_q_part(Q, grow_q, q_ok, 2 * D_HALF, step, D_ROPE_HALF, q_layout, ROWS)
-        qrb = _load_q_part(Q, grow_q, q_ok, d_rb, step, D_ROPE_HALF, q_layout, ROWS)
-        qa_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_HALF], _q_part(ROWS, D_HALF), qa)
-        qb_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_HALF], _q_part(ROWS, D_HALF), qb)
-        qra_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_ROPE_HALF],
-                                          _q_part(ROWS, D_ROPE_HALF), qra)
-        qrb_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, D_ROPE_HALF],
-                                          _q_part(ROWS, D_ROPE_HALF), qrb)
+        q_parts = _q_to_shared(Q, q_start, r0, rows, H, FMT, ROWS, num_warps)
         p_s = gl.allocate_shared_memory(gl.bfloat16, [ROWS, BLOCK_N], _q_part(ROWS, BLOCK_N))
 
         # The bf16 parts: the TMA ring itself (bf16), or BUFS buffers decoded into.
@@ -250,21 +384,8 @@ def mla_decode_gluon_kernel(
         o_b = warpgroup_mma_init(gl.zeros([D_HALF, ROWS], gl.float32, layout=o_layout))
         acc_s = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)
         keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-
-        # Decode layouts: a thread takes 16 bytes (MXFP4: one 32-value block) of a key's
-        # value bytes and 8 of its rope bytes.
-        rv_layout: gl.constexpr = gl.BlockedLayout([1, 1, 16], [2, 16, 1], [num_warps, 1, 1],
-                                                   [2, 1, 0])
-        rr_layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 2, 2], [num_warps, 1, 1],
-                                                   [2, 1, 0])
-        rv2: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [num_warps, 1], [1, 0])
-        rr2: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
-        sv_layout: gl.constexpr = gl.SliceLayout(2, rv_layout)
-        sr_layout: gl.constexpr = gl.SliceLayout(2, rr_layout)
-        keys_v = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sv_layout))
-        blk_v = gl.arange(0, 16, layout=gl.SliceLayout(0, sv_layout))
-        keys_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, sr_layout))
-        blk_r = gl.arange(0, 2, layout=gl.SliceLayout(0, sr_layout))
+        rv2: gl.constexpr = _decode_layout([1, 16], [2, 16], num_warps)
+        rr2: gl.constexpr = _decode_layout([1, 8], [8, 4], num_warps)
 
         for t in range(0, n_tiles):
             slot = t % STAGES
@@ -282,15 +403,7 @@ def mla_decode_gluon_kernel(
                         nt < n_tiles, FMT)
             buf = slot
             if FMT == 2:
-                # Scales of this tile (rows of sc_stride bytes: not a TMA stride).
-                kv_ok = (n0 + keys_v) < hi
-                sc_v = gl.load(KV_SC + gl.expand_dims((kv_start + n0 + keys_v).to(gl.int64), 1)
-                               * sc_stride + gl.expand_dims(blk_v, 0),
-                               mask=gl.expand_dims(kv_ok, 1), other=0)
-                kr_ok = (n0 + keys_r) < hi
-                sc_r = gl.load(KV_SC + gl.expand_dims((kv_start + n0 + keys_r).to(gl.int64), 1)
-                               * sc_stride + 16 + gl.expand_dims(blk_r, 0),
-                               mask=gl.expand_dims(kr_ok, 1), other=0)
+                scales = _mxfp4_scales(KV_SC, sc_stride, kv_start, n0, hi, num_warps)
             mbarrier.wait(bars.index(slot), (t // STAGES) & 1)
             if FMT != 0:
                 buf = t % BUFS
@@ -298,16 +411,8 @@ def mla_decode_gluon_kernel(
                     # The single part buffer is read by the last value product.
                     o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
                 if FMT == 2:
-                    pv = raw_a.index(slot).load(rv2).reshape([BLOCK_N, 16, 16])
-                    pv = gl.convert_layout(pv, rv_layout)
-                    pr = raw_ra.index(slot).load(rr2).reshape([BLOCK_N, 2, 16])
-                    pr = gl.convert_layout(pr, rr_layout)
-                    va, vb = _decode_blocks(pv, sc_v, kv_ok)
-                    ra, rb = _decode_blocks(pr, sc_r, kr_ok)
-                    va = va.reshape([BLOCK_N, D_HALF])
-                    vb = vb.reshape([BLOCK_N, D_HALF])
-                    ra = ra.reshape([BLOCK_N, D_ROPE_HALF])
-                    rb = rb.reshape([BLOCK_N, D_ROPE_HALF])
+                    pv, pr = _raw_mxfp4(raw_a.index(slot), raw_ra.index(slot), num_warps)
+                    va, vb, ra, rb = _decode_mxfp4(pv, pr, scales)
                 else:
                     va = _decode_e4m3(raw_a.index(slot).load(rv2))
                     vb = _decode_e4m3(raw_b.index(slot).load(rv2))
@@ -321,56 +426,15 @@ def mla_decode_gluon_kernel(
                 gl.thread_barrier()
             ka = ka_s.index(buf)
             kb = kb_s.index(buf)
-            acc_s = warpgroup_mma(ka, qa_s.permute((1, 0)), acc_s, use_acc=False,
-                                  is_async=True)
-            acc_s = warpgroup_mma(kb, qb_s.permute((1, 0)), acc_s, is_async=True)
-            acc_s = warpgroup_mma(kra_s.index(buf), qra_s.permute((1, 0)), acc_s,
-                                  is_async=True)
-            acc_s = warpgroup_mma(krb_s.index(buf), qrb_s.permute((1, 0)), acc_s,
-                                  is_async=True)
+            acc_s = _issue_scores(ka, kb, kra_s.index(buf), krb_s.index(buf), q_parts, acc_s)
             acc_s, o_a, o_b = warpgroup_mma_wait(0, deps=(acc_s, o_a, o_b))
-
-            # Online softmax over the keys (the M side), log2 domain.
-            key = n0 + keys_s
-            valid = (gl.expand_dims(key, 1) < hi) & \
-                (gl.expand_dims(key, 1) <= gl.expand_dims(limit, 0))
-            s = gl.where(valid, acc_s * scale, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=0))
-            alpha = gl.exp2(m_i - m_new)
-            p = gl.exp2(s - gl.expand_dims(m_new, 0))
-            l_i = l_i * alpha + gl.sum(p, axis=0)
-            m_i = m_new
-            p_s.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
-            fence_async_shared()
-            gl.thread_barrier()
-            alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))
-            o_a = o_a * gl.expand_dims(alpha_o, 0)
-            o_b = o_b * gl.expand_dims(alpha_o, 0)
-            o_a = warpgroup_mma(ka.permute((1, 0)), p_s.permute((1, 0)), o_a, is_async=True)
-            o_b = warpgroup_mma(kb.permute((1, 0)), p_s.permute((1, 0)), o_b, is_async=True)
+            o_a, o_b, m_i, l_i = _softmax_and_values(acc_s, ka, kb, p_s, (o_a, o_b, m_i, l_i),
+                                                     n0 + keys_s, hi, limit, scale, o_layout)
         o_a, o_b = warpgroup_mma_wait(0, deps=(o_a, o_b))
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(i))
-
-        # Normalize; write the output (one split) or a partial and its log2-sum-exp.
-        rows_o = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, o_layout))
-        row_ok = rows_o < rows
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(0, o_layout))
-        inv = gl.expand_dims(out_scale / gl.where(l_o > 0, l_o, 1.0), 0)
-        o_a = o_a * inv
-        o_b = o_b * inv
-        grow = (q_start * H + rows_o).to(gl.int64)
-        if n_act == 1:
-            _store_rows(OUT, o_a.to(gl.bfloat16), grow, row_ok, 0, step, o_layout)
-            _store_rows(OUT, o_b.to(gl.bfloat16), grow, row_ok, d_b, step, o_layout)
-        else:
-            prow = split * total_rows + grow
-            _store_rows(PART_O, o_a, prow, row_ok, 0, step, o_layout)
-            _store_rows(PART_O, o_b, prow, row_ok, d_b, step, o_layout)
-            rows_l = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
-            gl.store(PART_LSE + split * total_rows + q_start * H + rows_l,
-                     m_i + gl.log2(l_i), mask=rows_l < rows)
-
+        _write_block((o_a, o_b, m_i, l_i), out_scale, OUT, PART_O, PART_LSE, q_start, H, r0,
+                     rows, split, total_rows, n_act, FMT, ROWS, num_warps)
 
 def descriptors(kv_format: str, kv, rows_total: int):
     """Host TMA descriptors of the tile parts over the whole cache (see the kernel)."""
