@@ -62,6 +62,17 @@ def parse_format_shape(text: str, heads: int = 16) -> Shape:
         raise SystemExit(f"bad shape {text!r}: {e}") from None
 
 
+def parse_int_knobs(text: str, heads: int = 16) -> tuple[Shape, dict[str, int]]:
+    """'FORMAT:BATCHxKV:knob=value,...' with integer values -> (shape, knobs): a point of
+    a family's space as the compiled and Gluon probes take it."""
+    head, _, knobs = text.rpartition(":")
+    shape = parse_format_shape(head, heads)
+    try:
+        return shape, {k: int(v) for k, v in (kv.split("=") for kv in knobs.split(",") if kv)}
+    except ValueError as e:
+        raise SystemExit(f"bad variant {text!r}: {e}") from None
+
+
 def parse_variant(text: str, heads: int = 16) -> tuple[Shape, KernelConfig]:
     """'FORMAT:BATCHxKV:knob=value,...' -> (shape, the Triton kernel's KernelConfig), with
     KernelConfig's fields as knobs, e.g.

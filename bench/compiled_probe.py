@@ -29,12 +29,10 @@ from mla_tune.tuning.timing import CudaTimer, TimingPolicy
 
 def parse(text: str, heads: int, space: ParamSpace) -> tuple:
     """'FORMAT:BATCHxKV:K=V,...' -> (shape, a point of the family's space)."""
-    head, _, knobs = text.rpartition(":")
-    shape = benchkit.parse_format_shape(head, heads)
+    shape, config = benchkit.parse_int_knobs(text, heads)
     try:
-        config = {k: int(v) for k, v in (kv.split("=") for kv in knobs.split(",") if kv)}
         return shape, space.validate(config)
-    except (ValueError, ConfigError) as e:
+    except ConfigError as e:
         raise SystemExit(f"bad variant {text!r}: {e}") from None
 
 

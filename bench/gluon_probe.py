@@ -30,12 +30,6 @@ def launcher(data, shape: Shape, **knobs: int):
     return lambda: run(data)
 
 
-def parse(text: str, heads: int) -> tuple[Shape, dict[str, int]]:
-    head, _, knobs = text.rpartition(":")
-    shape = benchkit.parse_format_shape(head, heads)
-    return shape, {k: int(v) for k, v in (kv.split("=") for kv in knobs.split(",") if kv)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("variants", nargs="+")
@@ -48,7 +42,7 @@ def main() -> None:
     dispatcher = None
     routed: set[Shape] = set()
     for text in a.variants:
-        shape, k = parse(text, a.heads)
+        shape, k = benchkit.parse_int_knobs(text, a.heads)
         data = benchkit.task_input(shape, dev)
         ref = benchkit.reference(data, shape.kv_format)
         run = launcher(data, shape, **k)
