@@ -72,29 +72,31 @@ class WorkerContext:
         self.timer: Timer = make_timer(self.device, policy)
         self._shape_key: str | None = None
         self._inputs: tuple[TaskInput, torch.Tensor, Tolerance] | None = None
-        self._probes: tuple[Probe, ...] = ()
+        self._probes: tuple[Probe, ...] | None = None
 
     def inputs(self, shape: Shape) -> tuple[TaskInput, torch.Tensor, Tolerance]:
         """Task input, float32 reference and tolerance of `shape` (only one shape is kept,
         so a long sweep does not pile up device memory)."""
         if self._shape_key != shape.key or self._inputs is None:
-            self._inputs, self._probes, self._shape_key = None, (), None
+            self._inputs, self._probes, self._shape_key = None, None, None
             self.free_memory()
             data = generate_input(shape, seed=self.seed, device=self.device)
             ref = mla_decode_reference(*data, kv_format=shape.kv_format.value)
-            probes = []
-            for p in probe_shapes(shape):
-                p_data = generate_input(p, seed=self.seed, device=self.device)
-                probes.append(Probe(p, p_data, mla_decode_reference(
-                    *p_data, kv_format=shape.kv_format.value)))
             self._inputs = data, ref, tolerance_for(shape.kv_format)
-            self._probes = tuple(probes)
             self._shape_key = shape.key
         return self._inputs
 
     def probes(self, shape: Shape) -> tuple[Probe, ...]:
-        """The probe batches of `shape` with their inputs and references."""
+        """The probe batches of `shape` with their inputs and references, made on the first
+        trial that needs them (a run-off or warm-up never does)."""
         self.inputs(shape)
+        if self._probes is None:
+            probes = []
+            for p in probe_shapes(shape):
+                data = generate_input(p, seed=self.seed, device=self.device)
+                probes.append(Probe(p, data, mla_decode_reference(
+                    *data, kv_format=shape.kv_format.value)))
+            self._probes = tuple(probes)
         return self._probes
 
     @property
