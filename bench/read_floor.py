@@ -13,7 +13,7 @@ Two ways to cut the cache into programs are timed:
 
 It prints one row per shape: the time of its bytes at the device's read ceiling ("ideal"),
 the best of each layout (tile size, pipeline depth and split count searched), and the
-committed winner (mla_tune/winners.json): the time it was stored with, and its time in this
+committed winner (mla_tune/shipped/winners.json): the time it was stored with, and its time in this
 process, on the task's inputs.
 - The gap between the winner and the split-layout floor is what a kernel with this program
   layout could still win.
@@ -88,8 +88,8 @@ def time_layout(cache: torch.Tensor, fmt: str, programs: int, tiles_per_prog: in
 
 @functools.cache
 def _committed() -> list[dict]:
-    """The committed winners (mla_tune/winners.json), read once."""
-    return json.loads((benchkit.ROOT / "mla_tune" / "winners.json").read_text())["winners"]
+    """The shipped winners (mla_tune/shipped/winners.json), read once."""
+    return json.loads((benchkit.ROOT / "mla_tune" / "shipped" / "winners.json").read_text())["winners"]
 
 
 def committed_winner(fmt: str, batch: int, kv: int) -> dict | None:

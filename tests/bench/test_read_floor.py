@@ -40,3 +40,12 @@ def test_reader_pipelines_its_tma_loads() -> None:
     for _, stages, buffers, copies in rows:
         assert int(buffers) == int(stages) - 1  # tiles in flight: the ring
         assert int(copies) > 2  # prologue copies besides the loop's own
+
+
+def test_the_committed_winner_column_reads_the_shipped_winners() -> None:
+    import read_floor
+
+    w = read_floor.committed_winner("fp8", 256, 8192)
+    assert w is not None and w["backend"] == "triton" and w["median_us"] > 0
+    # Shapes the Triton family does not win have no row to time.
+    assert read_floor.committed_winner("bf16", 4, 1024) is None
