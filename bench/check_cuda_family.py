@@ -12,6 +12,8 @@ run once and judged with the sweep's gate (configs/tolerances.toml).
 Writes one JSON line per run to --json and prints a summary; exits 1 on any wrong run.
 
     python3 bench/check_cuda_family.py --backend cuda --json $OUT/check.jsonl
+    # only some variants: a constraint over the knobs, as in the family file
+    python3 bench/check_cuda_family.py --backend cuda_mma --where "CLUSTER > 0"
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 import benchkit
 from mla_tune.backends import get_backend
+from mla_tune.backends.compiled_expr import parse
 from mla_tune.problem.shapes import KVFormat, Shape
 
 RAGGED = (5, 33, 64, 300, 1027, 1500)
@@ -59,7 +62,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--where", default=None,
+                    help="check only the variants whose knobs satisfy this expression")
     args = ap.parse_args()
+    where = parse(args.where, "--where") if args.where else None
     dev = torch.device("cuda")
     backend = get_backend(args.backend)
     avail = backend.available(dev)
@@ -75,6 +81,8 @@ def main() -> int:
         ref = benchkit.reference(data, shape.kv_format)
         worst = 0.0
         for config in backend.candidates(shape, dev):
+            if where is not None and not where(config):
+                continue
             row = {"shape": shape.key, "loud": loud, "config": config}
             why = backend.precheck(shape, config, dev)
             if why:

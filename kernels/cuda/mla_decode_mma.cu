@@ -34,11 +34,14 @@
 // SM), QK (how a row tile's 4 warps share S: 0, by keys, Q fragments read from shared
 // memory every tile; 1, by dims, each warp keeps the Q fragments of its 144 dims in
 // registers and the partial scores are summed through shared memory, where Q was).
-// CLUSTER (0, 8 or 16; MT 1, QK 1): the SPLITS == CLUSTER blocks of a row tile form one
-// thread block cluster and merge their splits through distributed shared memory at the
-// end (each block keeps its partial in its own shared memory, then block r combines
-// columns [r DV / CLUSTER, (r + 1) DV / CLUSTER) of all of them): one launch and no
-// scratch round trip, what small batches need; 16 is a non-portable cluster size.
+// CLUSTER (0, 8 or 16; MT 1, QK 1): each CLUSTER consecutive splits of a row tile form one
+// thread block cluster and merge through distributed shared memory at the end (each block
+// keeps its partial in its own shared memory, then block r combines columns
+// [r DV / CLUSTER, (r + 1) DV / CLUSTER) of all of them): one launch, what small batches
+// need; 16 is a non-portable cluster size. SPLITS == CLUSTER writes the output with no
+// scratch round trip; SPLITS = G x CLUSTER (more blocks than one cluster per row tile
+// gives, to fill the SMs) merges the G clusters' partials through scratch, each column
+// share by the last of its G blocks to finish.
 // No torch headers:
 // `nvcc -cubin -arch=sm_90a -DKV_FORMAT=0 -DBN=64 -DMT=1 -DLOAD=0 -DQK=1 -DCLUSTER=0`.
 
@@ -175,14 +178,20 @@ __device__ __forceinline__ int column_of(int pos) {
 #if CLUSTER > 0
 // The end of a cluster block (MT 1; the row sums are in red_s, the KV tiles are no longer
 // read): its normalized partial and log-sum-exps into its own shared memory, then its
-// share of the columns merged from every block of the cluster into `out` (the row tile's
-// first output row).
+// share of the columns merged from every block of the cluster. One cluster per row tile
+// (splits == CLUSTER): the merged columns are the output. Several (splits = G x CLUSTER,
+// what fills the SMs when the batch is small): each cluster's merged columns are one of
+// G partials in `part`, and the last of the G blocks of the same rank to finish merges
+// that rank's columns of all G into `out` (the row tile's first output row, `row0`).
 __device__ __forceinline__ void cluster_merge(const float (&acc)[16][4], const float (&m_run)[2],
                                               const float* red_s, float* o_s, float kv_mul,
-                                              int rows, int g, int t, int wq,
+                                              int rows, int g, int t, int wq, int splits,
+                                              float* __restrict__ part, int total_rows,
+                                              size_t row0, int counter,
                                               __nv_bfloat16* __restrict__ out) {
   namespace cg = cooperative_groups;
   __shared__ float lse_s[16];
+  __shared__ int merges_here;
   cg::cluster_group cluster = cg::this_cluster();
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -201,7 +210,12 @@ __device__ __forceinline__ void cluster_merge(const float (&acc)[16][4], const f
   }
   cluster.sync();
   constexpr int COLS = DV / CLUSTER;  // 64 or 32 per block
-  const int c0 = (int)cluster.block_rank() * COLS;
+  const int rank = (int)cluster.block_rank();
+  const int c0 = rank * COLS;
+  const int groups = splits / CLUSTER, grp = blockIdx.x / CLUSTER;
+  // Scratch when groups > 1: G partials per row, then G x CLUSTER log-sum-exps per row
+  // (each rank writes its own copy), then CLUSTER arrival counters per row tile.
+  float* lse_g = part + (size_t)total_rows * groups * DV;
   for (int i = threadIdx.x; i < rows * (COLS / 4); i += NT) {
     const int r = i / (COLS / 4), c = c0 + (i % (COLS / 4)) * 4;
     float lse[CLUSTER];
@@ -225,10 +239,54 @@ __device__ __forceinline__ void cluster_merge(const float (&acc)[16][4], const f
       wsum += w;
     }
     const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    if (groups == 1) {
+      *reinterpret_cast<uint2*>(out + (size_t)r * DV + c) =
+          make_uint2(f2bf2(a.x * inv, a.y * inv), f2bf2(a.z * inv, a.w * inv));
+    } else {
+      const size_t slot = (row0 + r) * groups + grp;
+      __stcg(reinterpret_cast<float4*>(part + slot * DV + c),
+             make_float4(a.x * inv, a.y * inv, a.z * inv, a.w * inv));
+      if (c == c0) lse_g[slot * CLUSTER + rank] = wsum > 0.f ? mx + log2f(wsum) : -INFINITY;
+    }
+  }
+  cluster.sync();  // no block leaves while another still reads its shared memory
+  if (groups == 1) return;
+
+  // The G blocks of this rank: partials published by a fence before the count; the
+  // counter (zero from allocation) is reset by the block that merges.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* count = reinterpret_cast<int*>(lse_g + (size_t)total_rows * groups * CLUSTER) +
+                 counter * CLUSTER + rank;
+    merges_here = atomicAdd(count, 1) == groups - 1;
+    if (merges_here) *count = 0;
+  }
+  __syncthreads();
+  if (!merges_here) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < rows * (COLS / 4); i += NT) {
+    const int r = i / (COLS / 4), c = c0 + (i % (COLS / 4)) * 4;
+    const size_t slot0 = (row0 + r) * groups;
+    float mx = -INFINITY;
+    for (int s = 0; s < groups; ++s) mx = fmaxf(mx, __ldcg(lse_g + (slot0 + s) * CLUSTER + rank));
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    float wsum = 0.f;
+    for (int s = 0; s < groups; ++s) {
+      const float l = __ldcg(lse_g + (slot0 + s) * CLUSTER + rank);
+      const float w = l == -INFINITY ? 0.f : exp2f(l - mx);
+      if (w == 0.f) continue;
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(part + (slot0 + s) * DV + c));
+      a.x = fmaf(w, v.x, a.x);
+      a.y = fmaf(w, v.y, a.y);
+      a.z = fmaf(w, v.z, a.z);
+      a.w = fmaf(w, v.w, a.w);
+      wsum += w;
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
     *reinterpret_cast<uint2*>(out + (size_t)r * DV + c) =
         make_uint2(f2bf2(a.x * inv, a.y * inv), f2bf2(a.z * inv, a.w * inv));
   }
-  cluster.sync();  // no block leaves while another still reads its shared memory
 }
 #endif
 
@@ -581,7 +639,8 @@ mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
   __syncthreads();
 #if CLUSTER > 0
   cluster_merge(acc, m_run, red_s, reinterpret_cast<float*>(raw_s), kv_mul, rows, g, t, wq,
-                out + ((size_t)q0 * heads + f0) * DV);
+                splits, part, qo_indptr[gridDim.y] * heads, (size_t)q0 * heads + f0,
+                b * gridDim.z + blockIdx.z, out + ((size_t)q0 * heads + f0) * DV);
   return;
 #endif
   const int total_rows = qo_indptr[gridDim.y] * heads;

@@ -134,20 +134,31 @@ def test_constraints_prune_candidates_per_shape() -> None:
     assert b.supports(Shape.uniform(2, 64, kv_format="mxfp4")) is None
 
 
-def test_cluster_merges_take_one_split_per_cluster_block() -> None:
+def test_cluster_merges_take_whole_clusters_of_splits() -> None:
     b = registry.get_backend("cuda_mma")
     compiled = [m for _, m in b.variants() if m["CLUSTER"]]
     assert compiled and all(m["MT"] == 1 and m["QK"] == 1 for m in compiled)
     cands = b.candidates(Shape.uniform(4, 1024), torch.device("cuda"))
     clustered = [c for c in cands if c["CLUSTER"]]
     assert {c["CLUSTER"] for c in clustered} == {8, 16}
-    assert all(c["SPLITS"] == c["CLUSTER"] and c["MERGE"] == 0 for c in clustered)
-    # No scratch and no merge launch: the cluster merges in shared memory.
-    shape, cfg = Shape.uniform(4, 1024), clustered[0]
-    env = {**shape_env(shape), **b.spec.defines["bf16"], **cfg}
-    assert b.spec.scratch(env) == 0
-    assert [ln.entry for ln in b.spec.launches if ln.when is None or ln.when(env)] == [
-        "mla_split"]
+    assert all(c["SPLITS"] % c["CLUSTER"] == 0 and c["MERGE"] == 0 for c in clustered)
+    one = next(c for c in clustered if c["SPLITS"] == c["CLUSTER"])
+    several = next(c for c in clustered if c["SPLITS"] == 4 * c["CLUSTER"])
+    shape = Shape.uniform(4, 1024)
+    for cfg in (one, several):
+        env = {**shape_env(shape), **b.spec.defines["bf16"], **cfg}
+        # One launch either way: clusters merge in shared memory, then (several clusters
+        # per row tile) through scratch in the same launch.
+        assert [ln.entry for ln in b.spec.launches if ln.when is None or ln.when(env)] == [
+            "mla_split"]
+    env_one = {**shape_env(shape), **b.spec.defines["bf16"], **one}
+    assert b.spec.scratch(env_one) == 0
+    env = {**shape_env(shape), **b.spec.defines["bf16"], **several}
+    rows, clusters = 4 * 16, 4
+    # Per (row, cluster): 512 values and a log-sum-exp per cluster rank; per row tile
+    # (one per sequence at 16 heads) CLUSTER counters.
+    assert b.spec.scratch(env) == (rows * clusters * (512 + several["CLUSTER"])
+                                   + 4 * several["CLUSTER"]) * 4
 
 
 def test_knob_only_constraints_prune_the_compile_list(tmp_path: Path) -> None:
