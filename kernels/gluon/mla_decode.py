@@ -257,6 +257,21 @@ def _issue_scores(ka, kb, kra, krb, q_parts, acc_s):
 
 
 @gluon.jit
+def _mma_start(ROWS: gl.constexpr, num_warps: gl.constexpr):
+    """The MMA side's state before the first tile: (running max, running sum, O_A, O_B,
+    the S^T accumulator, the tile's key offsets on S's M side)."""
+    s_layout: gl.constexpr = _s_layout(ROWS, num_warps)
+    o_layout: gl.constexpr = _o_layout(ROWS, num_warps)
+    m_i = gl.full([ROWS], -1.0e30, gl.float32, layout=gl.SliceLayout(0, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, s_layout))
+    o_a = warpgroup_mma_init(gl.zeros([D_HALF, ROWS], gl.float32, layout=o_layout))
+    o_b = warpgroup_mma_init(gl.zeros([D_HALF, ROWS], gl.float32, layout=o_layout))
+    acc_s = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)
+    keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    return m_i, l_i, o_a, o_b, acc_s, keys_s
+
+
+@gluon.jit
 def _softmax_and_values(acc_s, ka, kb, p_s, state, key, hi, limit, scale,
                         o_layout: gl.constexpr):
     """Online softmax of a tile's finished scores (keys `key` on the M side, log2 domain),
@@ -378,12 +393,7 @@ def mla_decode_gluon_kernel(
                         bars.index(i), raw_a.index(i), raw_b.index(i), raw_ra.index(i),
                         raw_rb.index(i), i < n_tiles, FMT)
 
-        m_i = gl.full([ROWS], -1.0e30, gl.float32, layout=gl.SliceLayout(0, s_layout))
-        l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, s_layout))
-        o_a = warpgroup_mma_init(gl.zeros([D_HALF, ROWS], gl.float32, layout=o_layout))
-        o_b = warpgroup_mma_init(gl.zeros([D_HALF, ROWS], gl.float32, layout=o_layout))
-        acc_s = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)
-        keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+        m_i, l_i, o_a, o_b, acc_s, keys_s = _mma_start(ROWS, num_warps)
         rv2: gl.constexpr = _decode_layout([1, 16], [2, 16], num_warps)
         rr2: gl.constexpr = _decode_layout([1, 8], [8, 4], num_warps)
 

@@ -18,7 +18,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -32,6 +31,7 @@ from .mla_decode import (
     _issue_scores,
     _issue_tile,
     _key_range,
+    _mma_start,
     _mxfp4_scales,
     _o_layout,
     _program,
@@ -98,14 +98,8 @@ def _mma_partition(q_parts, p_s, parts, bars, n_tiles, lo, hi, limit, scale,
     ka_s, kb_s, kra_s, krb_s = parts
     raw_ready, raw_empty, k_ready, k_empty = bars
     NBUF: gl.constexpr = ka_s.type.shape[0]
-    s_layout: gl.constexpr = _s_layout(ROWS, num_warps)
     o_layout: gl.constexpr = _o_layout(ROWS, num_warps)
-    m_i = gl.full([ROWS], -1.0e30, gl.float32, layout=gl.SliceLayout(0, s_layout))
-    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, s_layout))
-    o_a = warpgroup_mma_init(gl.zeros([D_HALF, ROWS], gl.float32, layout=o_layout))
-    o_b = warpgroup_mma_init(gl.zeros([D_HALF, ROWS], gl.float32, layout=o_layout))
-    acc_s = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=s_layout)
-    keys_s = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    m_i, l_i, o_a, o_b, acc_s, keys_s = _mma_start(ROWS, num_warps)
     for t in range(n_tiles):
         b = t % NBUF
         mbarrier.wait(k_ready.index(b), (t // NBUF) & 1)
