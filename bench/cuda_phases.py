@@ -1,0 +1,189 @@
+"""Where a `cuda_mma` block's time goes: `%globaltimer` stamps patched into a copy of
+kernels/cuda/mla_decode_mma.cu at its phase boundaries (a dev script; the kernel itself carries
+no probes).
+
+    python3 bench/cuda_phases.py bf16:4x1024:BN=64,MT=1,LOAD=0,QK=1,MERGE=0,SPLITS=16,CLUSTER=16
+
+Each variant is built by the family's own code path from a family file that names the patched
+copy (registered through $MLA_TUNE_BACKENDS as family `cuda_mma_phases`), checked against the
+float32 reference, then launched `--runs` times, each after the timing protocol's L2 flush (a
+write of twice the L2). Thread 0 of every block stamps each boundary it passes (inside the
+tile loop: the last tile's). Printed per phase: the median time from the first block's start
+to the boundary and the median time since the previous boundary of the same block (µs). A
+stamp waits for nothing, so work issued before it and still in flight (an mma, a copy) is
+counted in the phase where it is waited for. A stamp costs registers: a variant the probes
+make spill is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import benchkit
+
+SOURCE = benchkit.ROOT / "kernels" / "cuda" / "mla_decode_mma.cu"
+FAMILY = benchkit.ROOT / "configs" / "backends" / "cuda_mma.toml"
+NAME = "cuda_mma_phases"
+MAX_BLOCKS = 4096
+SLOTS = 16
+
+# (phase, name, text in the kernel with "@@" where the stamp goes). A phase may have several
+# anchors: the branches of the macros a variant compiles.
+ANCHORS = [
+    (0, "start", "if (have < SHARED_NEED) __trap();@@"),
+    (1, "query in shared", "@@  // Rows g and g + 8 of the warp's tile"),
+    (2, "tile ready", "    const uint8_t* kv_s = raw_s + buf * BN * RAW_STRIDE;\n@@"),
+    (2, "tile ready", "    __syncthreads();\n    const uint8_t* kv_s = dec_s;\n@@#endif\n#else\n"),
+    (2, "tile ready", "    if (tile + 1 < t_end) fetch(tile + 1);\n    __syncthreads();\n"
+                      "    const uint8_t* kv_s = dec_s;\n@@"),
+    (3, "scores", "@@    // Masked, scaled scores"),
+    (4, "softmax, P stored", "@@    // O += P V for the warp's 128 columns"),
+    (5, "P V", "    __syncthreads();  // the tile, P and the maxima are rewritten next iteration\n@@"),
+    (6, "row sums", "@@#if CLUSTER > 0\n  cluster_merge("),
+    (7, "partials shared (barrier)", "@@  constexpr int COLS = DV / CLUSTER;"),
+    (8, "columns merged", "@@  cluster.sync();  // no block leaves"),
+    (9, "cluster done", "  cluster.sync();  // no block leaves while another still reads its "
+                        "shared memory\n@@"),
+    (7, "partial written", "@@  if (splits == 1 || !merge) return;"),
+]
+
+PROBE = """
+__device__ unsigned long long mt_probes[{blocks} * {slots}];
+#define MT_PROBE(k)                                                                     \\
+  do {{                                                                                  \\
+    if (threadIdx.x == 0) {{                                                             \\
+      unsigned long long g_;                                                            \\
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_));                            \\
+      const unsigned s_ = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x; \\
+      if (s_ < {blocks}) mt_probes[s_ * {slots} + (k)] = g_;                            \\
+    }}                                                                                   \\
+  }} while (0)
+"""
+
+
+def patched_source(text: str) -> str:
+    """The kernel with a stamp at every anchor (each must occur exactly once)."""
+    for phase, name, anchor in ANCHORS:
+        plain = anchor.replace("@@", "")
+        n = text.count(plain)
+        if n != 1:
+            raise SystemExit(f"anchor of phase {phase} ({name}) found {n} times in {SOURCE}; "
+                             "update ANCHORS to the kernel")
+        text = text.replace(plain, anchor.replace("@@", f"MT_PROBE({phase});\n"))
+    include = '#include "mla_common.cuh"\n'
+    return text.replace(include, include + PROBE.format(blocks=MAX_BLOCKS, slots=SLOTS), 1)
+
+
+def phase_names() -> dict[int, str]:
+    """Phase index -> its name (the first anchor's)."""
+    names: dict[int, str] = {}
+    for phase, name, _ in ANCHORS:
+        names.setdefault(phase, name)
+    return names
+
+
+def write_family(where: Path) -> Path:
+    """A copy of the cuda_mma family file naming the patched source; returns its path."""
+    (where / "mla_decode_mma.cu").write_text(patched_source(SOURCE.read_text()))
+    (where / "mla_common.cuh").write_text((SOURCE.parent / "mla_common.cuh").read_text())
+    spec = FAMILY.read_text().replace('"../../kernels/cuda/mla_decode_mma.cu"',
+                                      '"mla_decode_mma.cu"')
+    spec = spec.replace('"../../kernels/cuda/mla_common.cuh"', '"mla_common.cuh"')
+    path = where / f"{NAME}.toml"
+    path.write_text(spec)
+    return path
+
+
+def probe_buffer(run) -> tuple[object, int, int]:
+    """(driver API, device address, bytes) of `mt_probes` in the module `run` launches (the
+    build's closure holds its launches; a dev script may look)."""
+    cells = [c.cell_contents for c in run.__closure__ or ()]
+    launches = next(c for c in cells if isinstance(c, list) and c and hasattr(c[0], "module"))
+    module = launches[0].module
+    ptr, size = ctypes.c_uint64(), ctypes.c_size_t()
+    module.api.call("ModuleGetGlobal_v2", ctypes.byref(ptr), ctypes.byref(size),
+                    module.handle, b"mt_probes")
+    return module.api, ptr.value, size.value
+
+
+def stamps(api, ptr: int, size: int) -> list[list[int]]:
+    """Per block, per slot: globaltimer ns, 0 where none was written."""
+    host = (ctypes.c_uint64 * (size // 8))()
+    api.call("MemcpyDtoH_v2", host, ctypes.c_uint64(ptr), ctypes.c_size_t(size))
+    vals = list(host)
+    return [vals[b * SLOTS:(b + 1) * SLOTS] for b in range(MAX_BLOCKS)]
+
+
+def profile(text: str, runs: int, heads: int) -> None:
+    from mla_tune.backends import get_backend
+
+    dev = torch.device("cuda")
+    backend = get_backend(NAME)
+    shape, config = benchkit.parse_int_knobs(text, heads)
+    config = backend.declared_space(dev).validate(config)
+    data = benchkit.task_input(shape, dev)
+    try:
+        run = backend.build(shape, config, dev)
+    except RuntimeError as e:
+        print(f"{text}  skipped: {e}", flush=True)
+        return
+    res = benchkit.check(run(data), benchkit.reference(data, shape.kv_format), shape.kv_format)
+    api, ptr, size = probe_buffer(run)
+    flush = torch.empty(2 * torch.cuda.get_device_properties(dev).L2_cache_size,
+                        dtype=torch.uint8, device=dev)
+    since_start: dict[int, list[float]] = {}
+    since_prev: dict[int, list[float]] = {}
+    ends: list[float] = []
+    for _ in range(runs):
+        api.call("MemsetD8_v2", ctypes.c_uint64(ptr), ctypes.c_ubyte(0), ctypes.c_size_t(size))
+        flush.fill_(1)
+        run(data)
+        torch.cuda.synchronize()
+        blocks = [b for b in stamps(api, ptr, size) if b[0]]
+        t0 = min(b[0] for b in blocks)
+        ends.append((max(max(b) for b in blocks) - t0) / 1e3)
+        for b in blocks:
+            prev = None
+            for k, g in enumerate(b):
+                if not g:
+                    continue
+                since_start.setdefault(k, []).append((g - t0) / 1e3)
+                if prev is not None:
+                    since_prev.setdefault(k, []).append((g - prev) / 1e3)
+                prev = g
+    names = phase_names()
+    print(f"{text}  {'ok' if res.ok else 'WRONG'} (err {res.max_abs_err:.3g}); "
+          f"last stamp {statistics.median(ends):.2f} us after the first block's start "
+          f"(median of {runs})")
+    print(f"  {'phase':34} {'us from start':>14} {'us in phase':>12}")
+    for k in sorted(since_start):
+        step = statistics.median(since_prev[k]) if k in since_prev else 0.0
+        print(f"  {k} {names[k]:32} {statistics.median(since_start[k]):14.2f} {step:12.2f}")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("variants", nargs="+", help="FORMAT:BATCHxKV:KNOB=V,... (all knobs)")
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--heads", type=int, default=16)
+    a = ap.parse_args()
+    from mla_tune.backends import FAMILY_FILES_ENV, register
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ[FAMILY_FILES_ENV] = str(write_family(Path(tmp)))
+        register(NAME, f"mla_tune.backends.compiled_source:family_{NAME}")
+        for text in a.variants:
+            profile(text, a.runs, a.heads)
+
+
+if __name__ == "__main__":
+    main()

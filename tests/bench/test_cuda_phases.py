@@ -1,0 +1,37 @@
+"""bench/cuda_phases.py stamps phase boundaries into a copy of the cuda_mma kernel: every
+anchor must still be in the kernel once, and the patched copy must compile with a stamp at
+each phase of the variants it profiles (the tile-loop and cluster phases included)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import cuda_phases
+from mla_tune.backends.compiled_toolchain import compile_variant, find_compiler
+
+
+def test_every_anchor_places_one_stamp() -> None:
+    text = cuda_phases.patched_source(cuda_phases.SOURCE.read_text())
+    stamps = re.findall(r"MT_PROBE\((\d+)\);", text)
+    assert len(stamps) == len(cuda_phases.ANCHORS)
+    assert sorted({int(s) for s in stamps}) == sorted(cuda_phases.phase_names())
+    assert "__device__ unsigned long long mt_probes" in text
+
+
+@pytest.mark.skipif(find_compiler("cuda") is None, reason="nvcc not installed (pip install "
+                                                         "nvidia-cuda-nvcc provides it)")
+@pytest.mark.parametrize("defines", [
+    dict(KV_FORMAT=0, BN=64, MT=1, LOAD=0, QK=1, CLUSTER=16),
+    dict(KV_FORMAT=2, BN=64, MT=1, LOAD=1, QK=0, CLUSTER=0),
+])
+def test_the_patched_kernel_compiles_with_its_stamps(tmp_path, defines) -> None:
+    family = cuda_phases.write_family(tmp_path)
+    report = compile_variant("cuda", [family.parent / "mla_decode_mma.cu",
+                                      family.parent / "mla_common.cuh"],
+                             "sm_90a", ["-O3", "-std=c++17"], defines, use_cache=False)
+    assert report.ok, report.error[-2000:]
+    image = Path(report.image).read_bytes()
+    assert b"mt_probes" in image and b"mla_split" in image
