@@ -16,6 +16,10 @@
 // bf16 tiles are used as copied; fp8 e4m3 and MXFP4 tiles are decoded to bf16 in shared
 // memory first (exact: every e4m3 value and every e2m1 x 2^k with the block exponent in
 // bf16 range is a bf16). fp8's per-tensor scale is applied to the scores and the output.
+// LOAD 2 (bf16, fp8) copies the same double buffer by the copy engine instead
+// (cp.async.bulk: one instruction per row, or per tile of packed rows, completing on an
+// mbarrier per buffer), and the query rows the same way: a block's loads cost a few
+// instructions, not dozens per thread.
 //
 // Query rows: row f of a sequence is (token f / heads, head f % heads). Causality
 // (q_len > 1): token t of a sequence of kv length L attends to keys [0, L - q_len + t].
@@ -31,9 +35,10 @@
 // tile once for all of them), LOAD (0: cp.async double buffer of raw tiles; 1, fp8 and
 // MXFP4 only: the next tile's raw bytes wait in registers while the current tile is used,
 // then are decoded into the one bf16 tile, which leaves shared memory for more blocks per
-// SM), QK (how a row tile's 4 warps share S: 0, by keys, Q fragments read from shared
-// memory every tile; 1, by dims, each warp keeps the Q fragments of its 144 dims in
-// registers and the partial scores are summed through shared memory, where Q was).
+// SM; 2, bf16 and fp8: the double buffer of LOAD 0 filled by bulk copies), QK (how a row
+// tile's 4 warps share S: 0, by keys, Q fragments read from shared memory every tile; 1, by
+// dims, each warp keeps the Q fragments of its 144 dims in registers and the partial
+// scores are summed through shared memory, where Q was).
 // CLUSTER (0, 8 or 16; MT 1, QK 1): each CLUSTER consecutive splits of a row tile form one
 // thread block cluster and merge through distributed shared memory at the end (each block
 // keeps its partial in its own shared memory, then block r combines columns
@@ -62,7 +67,7 @@
 #error "define QK: 0 (S split by keys) or 1 (S split by dims, Q in registers)"
 #endif
 #ifndef LOAD
-#error "define LOAD: 0 (cp.async double buffer) or 1 (register prefetch; fp8, mxfp4)"
+#error "define LOAD: 0 (cp.async), 1 (register prefetch; fp8, mxfp4) or 2 (bulk copies)"
 #endif
 #ifndef CLUSTER
 #error "define CLUSTER: 0, or the splits merged in one thread block cluster (8 or 16)"
@@ -73,8 +78,11 @@
 #if CLUSTER != 0 && (MT != 1 || QK != 1)
 #error "CLUSTER merges need MT 1 and QK 1"
 #endif
-#if KV_FORMAT == 0 && LOAD != 0
-#error "bf16 tiles are used as copied: LOAD 0 only"
+#if KV_FORMAT == 0 && LOAD == 1
+#error "bf16 tiles are used as copied: LOAD 0 or 2"
+#endif
+#if KV_FORMAT == 2 && LOAD == 2
+#error "LOAD 2 is bf16 and fp8 only (MXFP4 loads its scale bytes with its tiles)"
 #endif
 
 #define NW (4 * MT)
@@ -174,6 +182,47 @@ __device__ __forceinline__ int column_of(int pos) {
   return pos;
 #endif
 }
+
+#if LOAD == 2
+// Bulk copies (the copy engine, as TMA without a tensor map) completing on mbarriers.
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
+}
+
+// The arrival of a barrier's phase, expecting `bytes` of copies to complete it.
+__device__ __forceinline__ void mbar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes,
+                                          uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// Rows [n, BN) of a raw tile to zeros: past the sequence's end no copy wrote them, and the
+// value product multiplies them by zero weights (stale or NaN bytes would not stay zero).
+__device__ __forceinline__ void zero_rows(uint8_t* raw, int n) {
+  for (int i = n * (RAW_ROW / 16) + threadIdx.x; i < BN * (RAW_ROW / 16); i += NT)
+    *reinterpret_cast<uint4*>(raw + (i / (RAW_ROW / 16)) * RAW_STRIDE + (i % (RAW_ROW / 16)) * 16) =
+        make_uint4(0, 0, 0, 0);
+}
+#endif
 
 #if CLUSTER > 0
 // The end of a cluster block (MT 1; the row sums are in red_s, the KV tiles are no longer
@@ -332,13 +381,44 @@ mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
   const float score_mul = sm_scale * kv_mul * 1.4426950408889634f;  // log2 domain
   const uint8_t* scales = reinterpret_cast<const uint8_t*>(kv_scale);
 
-#if LOAD == 0
+#if LOAD == 2
+  // Barriers of the two raw buffers and of the query rows; warp 0 issues every copy.
+  __shared__ __align__(8) uint64_t bars[3];
+  const uint32_t bar0 = smem_addr(bars), bar_q = bar0 + 16;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int i = 0; i < 3; ++i) mbar_init(bar0 + 8 * i);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+#endif
+#if LOAD != 1
   // MXFP4 scale bytes of the chunks this thread decodes: read when the tile is issued,
   // so the decode never waits on global memory.
   uint32_t sb_next[KV_FORMAT == 2 ? CHUNKS_PER_THREAD : 1], sb_cur[KV_FORMAT == 2 ? CHUNKS_PER_THREAD : 1];
   auto issue = [&](int tile, int buf) {
     const int base = tile * BN;
     const uint32_t dst = smem_addr(raw_s + buf * BN * RAW_STRIDE);
+#if LOAD == 2
+    if (warp == 0) {
+      // The tile's rows that exist: bf16 rows one copy each (the buffer's rows are padded),
+      // packed fp8 rows one copy for the tile.
+      const int n = min(BN, L - base);
+      const uint32_t bar = bar0 + 8 * buf;
+      const uint8_t* src = kv + (size_t)(k0 + base) * RAW_ROW;
+      if (lane == 0) {
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        mbar_expect(bar, n * RAW_ROW);
+      }
+      __syncwarp();
+#if KV_FORMAT == 0
+      for (int r = lane; r < n; r += 32)
+        bulk_copy(dst + r * RAW_STRIDE, src + r * RAW_ROW, RAW_ROW, bar);
+#else
+      if (lane == 0) bulk_copy(dst, src, n * RAW_ROW, bar);
+#endif
+    }
+#endif
 #if KV_FORMAT == 2
 #pragma unroll
     for (int j = 0; j < CHUNKS_PER_THREAD; ++j) {
@@ -349,7 +429,7 @@ mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
       cp_async16(dst + tok * RAW_STRIDE + c * 16, src, valid);
       sb_next[j] = valid ? scales[(size_t)(k0 + base + tok) * scale_stride + c] : 127u;
     }
-#else
+#elif LOAD == 0
     for (int i = threadIdx.x; i < CHUNKS; i += NT) {
       const int tok = i / RAW_CHUNKS, c = i % RAW_CHUNKS;
       const bool valid = base + tok < L;
@@ -357,7 +437,9 @@ mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
       cp_async16(dst + tok * RAW_STRIDE + c * 16, src, valid);
     }
 #endif
+#if LOAD == 0
     asm volatile("cp.async.commit_group;\n" ::);
+#endif
   };
   if (t_begin < t_end) issue(t_begin, 0);
 #else
@@ -391,6 +473,19 @@ mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
 #endif
 
   // Q rows of this block into shared (rows past `rows` are zeros).
+#if LOAD == 2
+  if (warp == 1) {  // (warp 0 issued the first tile)
+    const __nv_bfloat16* qrow = q + ((size_t)q0 * heads + f0) * DQK;
+    if (lane == 0) mbar_expect(bar_q, rows * DQK * 2);
+    __syncwarp();
+    for (int r = lane; r < rows; r += 32)
+      bulk_copy(smem_addr(q_s + r * STRIDE), qrow + r * DQK, DQK * 2, bar_q);
+  }
+  for (int i = rows * (DQK / 8) + threadIdx.x; i < ROWS * (DQK / 8); i += NT)
+    *reinterpret_cast<uint4*>(q_s + (i / (DQK / 8)) * STRIDE + (i % (DQK / 8)) * 16) =
+        make_uint4(0, 0, 0, 0);
+  mbar_wait(bar_q, 0);
+#else
   const uint4* qg = reinterpret_cast<const uint4*>(q + ((size_t)q0 * heads + f0) * DQK);
   for (int i = threadIdx.x; i < ROWS * (DQK / 8); i += NT) {
     const int r = i / (DQK / 8), c = i % (DQK / 8);
@@ -401,6 +496,7 @@ mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
 #endif
     *reinterpret_cast<uint4*>(q_s + r * STRIDE + c * 16) = v;
   }
+#endif
 
 #if QK == 1
   // The warp's 9 k-steps of Q, kept for every tile; q_s then holds the partial scores.
@@ -435,18 +531,24 @@ mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
 
   for (int tile = t_begin; tile < t_end; ++tile) {
     const int base = tile * BN;
-#if LOAD == 0
+#if LOAD != 1
     const int buf = (tile - t_begin) & 1;
 #if KV_FORMAT == 2
 #pragma unroll
     for (int j = 0; j < CHUNKS_PER_THREAD; ++j) sb_cur[j] = sb_next[j];
 #endif
+#if LOAD == 0
     if (tile + 1 < t_end) {
       issue(tile + 1, buf ^ 1);
       asm volatile("cp.async.wait_group 1;\n" ::);
     } else {
       asm volatile("cp.async.wait_group 0;\n" ::);
     }
+#else
+    if (tile + 1 < t_end) issue(tile + 1, buf ^ 1);
+    mbar_wait(bar0 + 8 * buf, ((tile - t_begin) >> 1) & 1);
+    if (base + BN > L) zero_rows(raw_s + buf * BN * RAW_STRIDE, L - base);
+#endif
     __syncthreads();
 #if KV_FORMAT == 0
     const uint8_t* kv_s = raw_s + buf * BN * RAW_STRIDE;
