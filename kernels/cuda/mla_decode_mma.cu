@@ -46,9 +46,11 @@
 // need; 16 is a non-portable cluster size. SPLITS == CLUSTER writes the output with no
 // scratch round trip; SPLITS = G x CLUSTER (more blocks than one cluster per row tile
 // gives, to fill the SMs) merges the G clusters' partials through scratch, each column
-// share by the last of its G blocks to finish.
-// No torch headers:
-// `nvcc -cubin -arch=sm_90a -DKV_FORMAT=0 -DBN=64 -DMT=1 -DLOAD=0 -DQK=1 -DCLUSTER=0`.
+// share by the last of its G blocks to finish. CLUSTER_BF16 (CLUSTER > 0): 1, the blocks'
+// partials are kept in bf16 for the exchange (half the distributed shared memory traffic,
+// which is most of the merge's time; the merge itself sums in float32), 0 float32.
+// No torch headers: `nvcc -cubin -arch=sm_90a -DKV_FORMAT=0 -DBN=64 -DMT=1 -DLOAD=0 -DQK=1
+// -DCLUSTER=0 -DCLUSTER_BF16=0`.
 
 #include <cooperative_groups.h>
 
@@ -71,6 +73,12 @@
 #endif
 #ifndef CLUSTER
 #error "define CLUSTER: 0, or the splits merged in one thread block cluster (8 or 16)"
+#endif
+#ifndef CLUSTER_BF16
+#error "define CLUSTER_BF16: 1 (cluster partials exchanged in bf16) or 0 (float32)"
+#endif
+#if CLUSTER_BF16 && CLUSTER == 0
+#error "CLUSTER_BF16 is how a cluster's blocks exchange partials: CLUSTER > 0"
 #endif
 #if BN != 32 && BN != 64
 #error "BN must be 32 or 64"
@@ -115,6 +123,7 @@
 #define RED_BYTES (NW * 16 * 4)
 #define SHARED_NEED (Q_BYTES + RAW_BYTES + DEC_BYTES + P_BYTES + RED_BYTES)
 #define OSTRIDE (DV + 4)  // floats per row of a cluster block's partial (CLUSTER > 0)
+#define OSTRIDE_BF16 (DV + 8)  // the same in bf16 (CLUSTER_BF16)
 static_assert(CLUSTER == 0 || RAW_BYTES + DEC_BYTES >= 16 * OSTRIDE * 4,
               "the partial of a cluster block lives where the KV tiles were");
 #if CLUSTER > 0
@@ -252,8 +261,14 @@ __device__ __forceinline__ void cluster_merge(const float (&acc)[16][4], const f
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
       const int pos = wq * 128 + 8 * n + 2 * t;
+#if CLUSTER_BF16
+      __nv_bfloat16* ob = reinterpret_cast<__nv_bfloat16*>(o_s);
+      ob[r * OSTRIDE_BF16 + column_of(pos)] = __float2bfloat16_rn(acc[n][2 * h] * inv);
+      ob[r * OSTRIDE_BF16 + column_of(pos + 1)] = __float2bfloat16_rn(acc[n][2 * h + 1] * inv);
+#else
       o_s[r * OSTRIDE + column_of(pos)] = acc[n][2 * h] * inv;
       o_s[r * OSTRIDE + column_of(pos + 1)] = acc[n][2 * h + 1] * inv;
+#endif
     }
     if (wq == 0 && t == 0) lse_s[r] = l > 0.f && r < rows ? m_run[h] + log2f(l) : -INFINITY;
   }
@@ -265,6 +280,48 @@ __device__ __forceinline__ void cluster_merge(const float (&acc)[16][4], const f
   // Scratch when groups > 1: G partials per row, then G x CLUSTER log-sum-exps per row
   // (each rank writes its own copy), then CLUSTER arrival counters per row tile.
   float* lse_g = part + (size_t)total_rows * groups * DV;
+#if CLUSTER_BF16
+  // Eight columns per thread, one 16-byte read of each block's bf16 partial.
+  for (int i = threadIdx.x; i < rows * (COLS / 8); i += NT) {
+    const int r = i / (COLS / 8), c = c0 + (i % (COLS / 8)) * 8;
+    float lse[CLUSTER];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int s = 0; s < CLUSTER; ++s) {
+      lse[s] = cluster.map_shared_rank(lse_s, s)[r];
+      mx = fmaxf(mx, lse[s]);
+    }
+    float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float wsum = 0.f;
+#pragma unroll
+    for (int s = 0; s < CLUSTER; ++s) {
+      const float w = lse[s] == -INFINITY ? 0.f : exp2f(lse[s] - mx);
+      const uint4 v = *reinterpret_cast<const uint4*>(
+          reinterpret_cast<const __nv_bfloat16*>(cluster.map_shared_rank(o_s, s)) +
+          r * OSTRIDE_BF16 + c);
+      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        a[2 * k] = fmaf(w, __uint_as_float(u[k] << 16), a[2 * k]);
+        a[2 * k + 1] = fmaf(w, __uint_as_float(u[k] & 0xffff0000u), a[2 * k + 1]);
+      }
+      wsum += w;
+    }
+    const float inv = wsum > 0.f ? 1.f / wsum : 0.f;
+    if (groups == 1) {
+      *reinterpret_cast<uint4*>(out + (size_t)r * DV + c) =
+          make_uint4(f2bf2(a[0] * inv, a[1] * inv), f2bf2(a[2] * inv, a[3] * inv),
+                     f2bf2(a[4] * inv, a[5] * inv), f2bf2(a[6] * inv, a[7] * inv));
+    } else {
+      const size_t slot = (row0 + r) * groups + grp;
+      __stcg(reinterpret_cast<float4*>(part + slot * DV + c),
+             make_float4(a[0] * inv, a[1] * inv, a[2] * inv, a[3] * inv));
+      __stcg(reinterpret_cast<float4*>(part + slot * DV + c + 4),
+             make_float4(a[4] * inv, a[5] * inv, a[6] * inv, a[7] * inv));
+      if (c == c0) lse_g[slot * CLUSTER + rank] = wsum > 0.f ? mx + log2f(wsum) : -INFINITY;
+    }
+  }
+#else
   for (int i = threadIdx.x; i < rows * (COLS / 4); i += NT) {
     const int r = i / (COLS / 4), c = c0 + (i % (COLS / 4)) * 4;
     float lse[CLUSTER];
@@ -298,6 +355,7 @@ __device__ __forceinline__ void cluster_merge(const float (&acc)[16][4], const f
       if (c == c0) lse_g[slot * CLUSTER + rank] = wsum > 0.f ? mx + log2f(wsum) : -INFINITY;
     }
   }
+#endif
   cluster.sync();  // no block leaves while another still reads its shared memory
   if (groups == 1) return;
 

@@ -118,6 +118,7 @@ class CompiledSourceFamily(Backend):
     def _env(self, shape: Shape, config: Mapping[str, Any]) -> dict[str, Any]:
         env: dict[str, Any] = shape_env(shape)
         env.update(self.spec.defines.get(shape.kv_format.value, {}))
+        env.update(self.spec.defaults)  # a stored config may predate a knob
         env.update(config)
         return env
 
@@ -141,7 +142,9 @@ class CompiledSourceFamily(Backend):
         return list(seen.values())
 
     def macros(self, kv_format: KVFormat, config: Mapping[str, Any]) -> dict[str, Any]:
-        """The -D macros of a variant: the format's defines, then the macro knobs."""
+        """The -D macros of a variant: the format's defines, then the macro knobs (those a
+        stored config predates at their `[defaults]` value)."""
+        config = {**self.spec.defaults, **config}
         out: dict[str, Any] = dict(self.spec.defines.get(kv_format.value, {}))
         out.update({k: config[k] for k in self.spec.macro_knobs})
         return out
@@ -319,12 +322,14 @@ def _cell(arg: Arg, env: Mapping[str, Any], tensor_cells: list, call_cells: list
 
 @functools.cache
 def _space(path: Path, name: str, device_type: str) -> ParamSpace:
-    """`[space]` of a family file with its `[space.<device_type>]` lists applied."""
-    space = dict(load_spec(path, name).space)
+    """`[space]` of a family file with its `[space.<device_type>]` lists applied, taking
+    `[defaults]` for knobs a stored config lacks (tuned before the knob existed)."""
+    spec = load_spec(path, name)
+    space = dict(spec.space)
     per_device = {k: v for k, v in space.items() if isinstance(v, dict)}
     base = {k: v for k, v in space.items() if not isinstance(v, dict)}
     base.update(per_device.get(device_type, {}))
-    return ParamSpace.from_mapping(base)
+    return ParamSpace.from_mapping(base).with_defaults(spec.defaults)
 
 
 _classes: dict[str, type[CompiledSourceFamily]] = {}

@@ -2,8 +2,9 @@
 
 A family file (`configs/backends/<name>.toml`, or any file named in $MLA_TUNE_BACKENDS)
 declares the kernel sources, their language, the knobs (macros or kernel arguments), the
-constraints between knobs and shapes, compiler flags per vendor and the launch contract
-(entries, grids, blocks, shared bytes, arguments, scratch). Everything that can be wrong
+constraints between knobs and shapes, the value a knob added later takes in results stored
+before it (`[defaults]`), compiler flags per vendor and the launch contract (entries, grids,
+blocks, shared bytes, arguments, scratch). Everything that can be wrong
 in it without a compiler is reported here, when the family loads, naming the file and the
 fix: a missing entry, an argument count that differs from the entry's parameters, a knob
 the source never reads, an expression naming something unknown.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import re
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,7 @@ class FamilySpec:
     constraints: tuple[Expr, ...]
     scratch: Expr
     launches: tuple[LaunchSpec, ...]
+    defaults: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def knobs(self) -> list[str]:
@@ -224,6 +226,14 @@ def load_spec(path: Path, name: str | None = None) -> FamilySpec:
     clash = define_names & set(knobs)
     if clash:
         raise _fail(path, f"{sorted(clash)} are both knobs and format defines")
+    defaults = data.get("defaults", {})
+    if not isinstance(defaults, dict):
+        raise _fail(path, "[defaults] must be a table of knob = value")
+    for k, v in defaults.items():
+        if k not in knobs:
+            raise _fail(path, f"[defaults] names {k!r}, which is not a knob of [space]")
+        if v not in space[k]:
+            raise _fail(path, f"[defaults] {k} = {v!r} is not one of its values {space[k]}")
     allowed = set(knobs) | set(SHAPE_VARS) | set(CONST_VARS) | define_names
     constraints = tuple(_expr(path, c, f"constraint {i + 1}", allowed)
                         for i, c in enumerate(fam.get("constraints", [])))
@@ -254,7 +264,7 @@ def load_spec(path: Path, name: str | None = None) -> FamilySpec:
         description=str(fam.get("description", "")), language=language, sources=sources,
         formats=formats, archs=archs, defines=defines, flags=flags, space=space,
         runtime_knobs=runtime, constraints=constraints, scratch=scratch,
-        launches=tuple(launches))
+        launches=tuple(launches), defaults=defaults)
     check_contract(spec)
     return spec
 

@@ -112,7 +112,7 @@ def test_shipped_family_is_registered_and_small(name: str) -> None:
     b = registry.get_backend(name)
     assert b.spec.language == "cuda" and set(b.spec.formats) == SHIPPED[name]
     variants = b.variants()
-    assert 2 * len(SHIPPED[name]) <= len(variants) <= 96  # every one is compiled by CI below
+    assert 2 * len(SHIPPED[name]) <= len(variants) <= 112  # every one is compiled by CI below
     # SPLITS is a kernel argument: it never multiplies compiles.
     assert all("SPLITS" not in macros for _, macros in variants)
     # The class is importable by path, as the sweep's worker processes import it.
@@ -150,6 +150,15 @@ def test_bulk_copy_loads_are_a_load_value_of_bf16_and_fp8() -> None:
            "QK": 1, "CLUSTER": 0, "SPLITS": 16, "MERGE": 0}
     assert b.spec.launches[0].shared({**env, "LOAD": 2}) == b.spec.launches[0].shared(
         {**env, "LOAD": 0})
+
+
+def test_bf16_cluster_exchange_is_a_cluster_knob_stored_results_read_as_off() -> None:
+    b = registry.get_backend("cuda_mma")
+    bf16 = [m for _, m in b.variants() if m["CLUSTER_BF16"]]
+    assert bf16 and all(m["CLUSTER"] for m in bf16)
+    assert len(bf16) == len([m for _, m in b.variants() if m["CLUSTER"]]) // 2
+    stored = {"BN": 64, "MT": 1, "LOAD": 0, "QK": 1, "SPLITS": 16, "MERGE": 0, "CLUSTER": 16}
+    assert b.declared_space(torch.device("cuda")).validate(stored)["CLUSTER_BF16"] == 0
 
 
 def test_cluster_merges_take_whole_clusters_of_splits() -> None:
@@ -220,6 +229,31 @@ def test_runtime_knob_must_reach_a_launch(tmp_path: Path) -> None:
     path.write_text(path.read_text().replace("[family]", '[family]\nruntime_knobs = ["SPLITS"]'))
     with pytest.raises(ContractError, match="runtime knob 'SPLITS' reaches no launch"):
         load_spec(path)
+
+
+def test_defaults_give_stored_configs_a_later_knob(tmp_path: Path) -> None:
+    path = family(tmp_path, "later_knob")
+    path.write_text(path.read_text() + "[defaults]\nTILE = 64\n")
+    b = family_class_for(path)
+    space = b.declared_space(torch.device("cuda"))
+    assert space.validate({}) == {"TILE": 64}  # a config stored before TILE existed
+    assert space.validate({"TILE": 16}) == {"TILE": 16}
+    # Built unvalidated (a run-off of stored trials), it compiles and launches the same.
+    assert b.macros(KVFormat.BF16, {}) == b.macros(KVFormat.BF16, {"TILE": 64}) == {"TILE": 64}
+    assert b.feasible(Shape.uniform(4, 64), {})  # its constraint TILE <= 128 reads 64
+
+
+@pytest.mark.parametrize("defaults, message", [
+    ("NOPE = 1", "[defaults] names 'NOPE', which is not a knob"),
+    ("TILE = 48", "[defaults] TILE = 48 is not one of its values [16, 64, 128, 256]"),
+])
+def test_bad_defaults_are_clear_errors_at_load(tmp_path: Path, defaults: str,
+                                               message: str) -> None:
+    path = family(tmp_path)
+    path.write_text(path.read_text() + f"[defaults]\n{defaults}\n")
+    with pytest.raises(ContractError) as e:
+        load_spec(path)
+    assert message in str(e.value)
 
 
 def test_missing_source_and_bad_toml(tmp_path: Path) -> None:

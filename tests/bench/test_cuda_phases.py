@@ -24,8 +24,8 @@ def test_every_anchor_places_one_stamp() -> None:
 @pytest.mark.skipif(find_compiler("cuda") is None, reason="nvcc not installed (pip install "
                                                          "nvidia-cuda-nvcc provides it)")
 @pytest.mark.parametrize("defines", [
-    dict(KV_FORMAT=0, BN=64, MT=1, LOAD=0, QK=1, CLUSTER=16),
-    dict(KV_FORMAT=2, BN=64, MT=1, LOAD=1, QK=0, CLUSTER=0),
+    dict(KV_FORMAT=0, BN=64, MT=1, LOAD=0, QK=1, CLUSTER=16, CLUSTER_BF16=1),
+    dict(KV_FORMAT=2, BN=64, MT=1, LOAD=1, QK=0, CLUSTER=0, CLUSTER_BF16=0),
 ])
 def test_the_patched_kernel_compiles_with_its_stamps(tmp_path, defines) -> None:
     family = cuda_phases.write_family(tmp_path)
