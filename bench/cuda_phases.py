@@ -6,8 +6,8 @@ no probes).
 
 Each variant is built by the family's own code path from a family file that names the patched
 copy (registered through $MLA_TUNE_BACKENDS as family `cuda_mma_phases`), checked against the
-float32 reference, then launched `--runs` times, each after the timing protocol's L2 flush (a
-write of twice the L2). Thread 0 of every block stamps each boundary it passes (inside the
+float32 reference, then launched `--runs` times, each after the timer's L2 flush
+(`CudaTimer.flush_l2`, the timing protocol's). Thread 0 of every block stamps each boundary it passes (inside the
 tile loop: the last tile's). Printed per phase: the median time from the first block's start
 to the boundary and the median time since the previous boundary of the same block (µs). A
 stamp waits for nothing, so work issued before it and still in flight (an mma, a copy) is
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 import benchkit
+import probed_kernel
 
 SOURCE = benchkit.ROOT / "kernels" / "cuda" / "mla_decode_mma.cu"
 FAMILY = benchkit.ROOT / "configs" / "backends" / "cuda_mma.toml"
@@ -70,16 +71,13 @@ __device__ unsigned long long mt_probes[{blocks} * {slots}];
 
 
 def patched_source(text: str) -> str:
-    """The kernel with a stamp at every anchor (each must occur exactly once)."""
-    for phase, name, anchor in ANCHORS:
-        plain = anchor.replace("@@", "")
-        n = text.count(plain)
-        if n != 1:
-            raise SystemExit(f"anchor of phase {phase} ({name}) found {n} times in {SOURCE}; "
-                             "update ANCHORS to the kernel")
-        text = text.replace(plain, anchor.replace("@@", f"MT_PROBE({phase});\n"))
+    """The kernel with a stamp at every anchor (each must occur exactly once) and the
+    stamps' buffer after its includes."""
     include = '#include "mla_common.cuh"\n'
-    return text.replace(include, include + PROBE.format(blocks=MAX_BLOCKS, slots=SLOTS), 1)
+    return probed_kernel.apply_patches(text, [
+        *((a.replace("@@", ""), a.replace("@@", f"MT_PROBE({phase});\n"))
+          for phase, _, a in ANCHORS),
+        (include, include + PROBE.format(blocks=MAX_BLOCKS, slots=SLOTS))])
 
 
 def phase_names() -> dict[int, str]:
@@ -94,11 +92,8 @@ def write_family(where: Path) -> Path:
     """A copy of the cuda_mma family file naming the patched source; returns its path."""
     (where / "mla_decode_mma.cu").write_text(patched_source(SOURCE.read_text()))
     (where / "mla_common.cuh").write_text((SOURCE.parent / "mla_common.cuh").read_text())
-    spec = FAMILY.read_text().replace('"../../kernels/cuda/mla_decode_mma.cu"',
-                                      '"mla_decode_mma.cu"')
-    spec = spec.replace('"../../kernels/cuda/mla_common.cuh"', '"mla_common.cuh"')
     path = where / f"{NAME}.toml"
-    path.write_text(spec)
+    path.write_text(FAMILY.read_text().replace("../../kernels/cuda/", ""))
     return path
 
 
@@ -124,6 +119,7 @@ def stamps(api, ptr: int, size: int) -> list[list[int]]:
 
 def profile(text: str, runs: int, heads: int) -> None:
     from mla_tune.backends import get_backend
+    from mla_tune.tuning.timing import CudaTimer
 
     dev = torch.device("cuda")
     backend = get_backend(NAME)
@@ -137,14 +133,13 @@ def profile(text: str, runs: int, heads: int) -> None:
         return
     res = benchkit.check(run(data), benchkit.reference(data, shape.kv_format), shape.kv_format)
     api, ptr, size = probe_buffer(run)
-    flush = torch.empty(2 * torch.cuda.get_device_properties(dev).L2_cache_size,
-                        dtype=torch.uint8, device=dev)
+    timer = CudaTimer(dev)
     since_start: dict[int, list[float]] = {}
     since_prev: dict[int, list[float]] = {}
     ends: list[float] = []
     for _ in range(runs):
         api.call("MemsetD8_v2", ctypes.c_uint64(ptr), ctypes.c_ubyte(0), ctypes.c_size_t(size))
-        flush.fill_(1)
+        timer.flush_l2()
         run(data)
         torch.cuda.synchronize()
         blocks = [b for b in stamps(api, ptr, size) if b[0]]

@@ -99,14 +99,21 @@ def at_program_end(stmts: Sequence[str]) -> Patch:
     return _PROGRAM_END + _OTHER_SCHEDULES, _PROGRAM_END + body + _OTHER_SCHEDULES
 
 
-def probed_module(patches: Sequence[Patch], name: str) -> ModuleType:
-    """kernels/triton/mla_decode.py with the debug buffer and `patches` applied in order,
-    imported from a temporary file `name`.py."""
-    src = (benchkit.ROOT / "kernels" / "triton" / "mla_decode.py").read_text()
-    for old, new in [*_DEBUG_BUFFER, *patches]:
+def apply_patches(src: str, patches: Sequence[Patch]) -> str:
+    """`src` with each (old, new) patch applied in order; each `old` must occur exactly once
+    (a kernel change that moves a patch point stops the script)."""
+    for old, new in patches:
         if src.count(old) != 1:
             raise SystemExit(f"the kernel changed: patch point not found once:\n{old[:200]}")
         src = src.replace(old, new)
+    return src
+
+
+def probed_module(patches: Sequence[Patch], name: str) -> ModuleType:
+    """kernels/triton/mla_decode.py with the debug buffer and `patches` applied in order,
+    imported from a temporary file `name`.py."""
+    src = apply_patches((benchkit.ROOT / "kernels" / "triton" / "mla_decode.py").read_text(),
+                        [*_DEBUG_BUFFER, *patches])
     path = Path(tempfile.mkdtemp()) / f"{name}.py"
     path.write_text(src)
     return benchkit.load_kernel(path)
