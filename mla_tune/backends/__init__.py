@@ -21,6 +21,7 @@ _REGISTRY: dict[str, str] = {
     "cuda": "mla_tune.backends.compiled_source:family_cuda",
     "cuda_mma": "mla_tune.backends.compiled_source:family_cuda_mma",
     "cuda_frag": "mla_tune.backends.compiled_source:family_cuda_frag",
+    "cuda_wgmma": "mla_tune.backends.compiled_source:family_cuda_wgmma",
 }
 
 _instances: dict[str, Backend] = {}
