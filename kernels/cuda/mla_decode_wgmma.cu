@@ -336,19 +336,20 @@ mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
   __syncthreads();
 
   // This thread's query rows (the wgmma's N columns 2t, 2t+1, 8+2t, 9+2t; mma.sync's the
-  // same): score multipliers (log2 domain, the parts' 2^-k, and fp8's tensor scale or the
-  // e2m1-as-e4m3 keys' 2^6) and causal key limits (-1: padding row).
+  // same): score multipliers (log2 domain, the parts' 2^-k, fp8's tensor scale and the
+  // e2m1-as-e4m3 keys' 2^6) and causal key limits (-1: padding row). `kv_mul` also scales
+  // the output (fp8's tensor scale; MXFP4's values are exact as decoded).
 #if KV_FORMAT == 1
-  const float kv_mul = *reinterpret_cast<const float*>(kv_scale);
+  const float kv_mul = *reinterpret_cast<const float*>(kv_scale), key_unit = 1.f;
 #else
-  const float kv_mul = 64.f;
+  const float kv_mul = 1.f, key_unit = 64.f;
 #endif
   float smul[4], m_run[4], l_part[4];
   int lim[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int h = 2 * t + (k & 1) + 8 * (k >> 1);
-    smul[k] = sm_scale * 1.4426950408889634f * kv_mul * qmul_s[h];
+    smul[k] = sm_scale * 1.4426950408889634f * kv_mul * key_unit * qmul_s[h];
     lim[k] = h < rows ? min(L - ql + (f0 + h) / heads, L - 1) : -1;
     m_run[k] = -INFINITY;
     l_part[k] = 0.f;
@@ -534,7 +535,7 @@ mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
     float l = 0.f;
 #pragma unroll
     for (int w = 0; w < 4; ++w) l += red_s[w * 16 + h];
-    const float inv = l > 0.f ? (KV_FORMAT == 1 ? kv_mul : 1.f) / l : 0.f;
+    const float inv = l > 0.f ? kv_mul / l : 0.f;
     const size_t row = row0 + h;
     const int n = k >> 1, e0 = k & 1;  // acc[m][n][e0] dim lo, acc[m][n][e0 + 2] dim hi
     if (splits == 1) {
