@@ -1,18 +1,21 @@
-"""Where a `cuda_mma` block's time goes: `%globaltimer` stamps patched into a copy of
-kernels/cuda/mla_decode_mma.cu at its phase boundaries (a dev script; the kernel itself carries
-no probes).
+"""Where a CUDA block's time goes (the `cuda_mma` and `cuda_wgmma` families): `%globaltimer`
+stamps patched into a copy of the family's kernel at its phase boundaries (a dev script; the
+kernels themselves carry no probes).
 
     python3 bench/cuda_phases.py bf16:4x1024:BN=64,MT=1,LOAD=0,QK=1,MERGE=0,SPLITS=16,CLUSTER=16
+    python3 bench/cuda_phases.py --family cuda_wgmma fp8:256x8192:SPLITS=1
 
 Each variant is built by the family's own code path from a family file that names the patched
-copy (registered through $MLA_TUNE_BACKENDS as family `cuda_mma_phases`), checked against the
+copy (registered through $MLA_TUNE_BACKENDS as family `<family>_phases`), checked against the
 float32 reference, then launched `--runs` times, each after the timer's L2 flush
-(`CudaTimer.flush_l2`, the timing protocol's). Thread 0 of every block stamps each boundary it passes (inside the
-tile loop: the last tile's). Printed per phase: the median time from the first block's start
-to the boundary and the median time since the previous boundary of the same block (µs). A
-stamp waits for nothing, so work issued before it and still in flight (an mma, a copy) is
-counted in the phase where it is waited for. A stamp costs registers: a variant the probes
-make spill is reported and skipped.
+(`CudaTimer.flush_l2`, the timing protocol's). Thread 0 of every block stamps each boundary it
+passes and adds the time since its previous stamp to that phase's total, so a phase inside
+the tile loop is counted over every tile. Printed per phase: the median over blocks and runs
+of the time from the first block's start to the block's last pass of the boundary, of the
+last pass's time since the previous stamp, and of the phase's total over all its passes
+(µs), with the passes per block. A stamp waits for nothing, so work issued before it and
+still in flight (an mma, a copy) is counted in the phase where it is waited for. A stamp
+costs registers: a variant the probes make spill is reported and skipped.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,70 +34,118 @@ import torch
 import benchkit
 import probed_kernel
 
-SOURCE = benchkit.ROOT / "kernels" / "cuda" / "mla_decode_mma.cu"
-FAMILY = benchkit.ROOT / "configs" / "backends" / "cuda_mma.toml"
-NAME = "cuda_mma_phases"
 MAX_BLOCKS = 4096
-SLOTS = 16
+SLOTS = 48
+"""Per block: the last stamp of phase k (slot k), its total time (16 + k), its passes (32 + k)."""
 
-# (phase, name, text in the kernel with "@@" where the stamp goes). A phase may have several
-# anchors: the branches of the macros a variant compiles.
-ANCHORS = [
-    (0, "start", "if (have < SHARED_NEED) __trap();@@"),
-    (1, "query in shared", "@@  // Rows g and g + 8 of the warp's tile"),
-    (2, "tile ready", "    const uint8_t* kv_s = raw_s + buf * BN * RAW_STRIDE;\n@@"),
-    (2, "tile ready", "    __syncthreads();\n    const uint8_t* kv_s = dec_s;\n@@#endif\n#else\n"),
-    (2, "tile ready", "    if (tile + 1 < t_end) fetch(tile + 1);\n    __syncthreads();\n"
-                      "    const uint8_t* kv_s = dec_s;\n@@"),
-    (3, "scores", "@@    // Masked, scaled scores"),
-    (4, "softmax, P stored", "@@    // O += P V for the warp's 128 columns"),
-    (5, "P V", "    __syncthreads();  // the tile, P and the maxima are rewritten next iteration\n@@"),
-    (6, "row sums", "@@#if CLUSTER > 0\n  cluster_merge("),
-    (7, "partials shared (barrier)", "@@  constexpr int COLS = DV / CLUSTER;"),
-    (8, "columns merged", "@@  cluster.sync();  // no block leaves"),
-    (9, "cluster done", "  cluster.sync();  // no block leaves while another still reads its "
-                        "shared memory\n@@"),
-    (7, "partial written", "@@  if (splits == 1 || !merge) return;"),
-]
+
+@dataclass(frozen=True)
+class Family:
+    """A CUDA family the script can stamp: its kernel, its family file, its anchors."""
+
+    source: Path
+    family_file: Path
+    anchors: list[tuple[int, str, str]]
+    """(phase, name, text in the kernel with "@@" where the stamp goes); a phase may have
+    several anchors: the branches of the macros a variant compiles."""
+
+    @property
+    def name(self) -> str:
+        return self.family_file.stem
+
+    def phase_names(self) -> dict[int, str]:
+        """Phase index -> its name (the first anchor's)."""
+        names: dict[int, str] = {}
+        for phase, name, _ in self.anchors:
+            names.setdefault(phase, name)
+        return names
+
+
+CUDA = benchkit.ROOT / "kernels" / "cuda"
+FAMILIES = {
+    "cuda_mma": Family(CUDA / "mla_decode_mma.cu", benchkit.ROOT / "configs" / "backends" /
+                       "cuda_mma.toml", [
+        (0, "start", "if (have < SHARED_NEED) __trap();@@"),
+        (1, "query in shared", "@@  // Rows g and g + 8 of the warp's tile"),
+        (2, "tile ready", "    const uint8_t* kv_s = raw_s + buf * BN * RAW_STRIDE;\n@@"),
+        (2, "tile ready",
+         "    __syncthreads();\n    const uint8_t* kv_s = dec_s;\n@@#endif\n#else\n"),
+        (2, "tile ready", "    if (tile + 1 < t_end) fetch(tile + 1);\n    __syncthreads();\n"
+                          "    const uint8_t* kv_s = dec_s;\n@@"),
+        (3, "scores", "@@    // Masked, scaled scores"),
+        (4, "softmax, P stored", "@@    // O += P V for the warp's 128 columns"),
+        (5, "P V", "    __syncthreads();  // the tile, P and the maxima are rewritten next "
+                   "iteration\n@@"),
+        (6, "row sums", "@@#if CLUSTER > 0\n  cluster_merge("),
+        (7, "partials shared (barrier)", "@@  constexpr int COLS = DV / CLUSTER;"),
+        (8, "columns merged", "@@  cluster.sync();  // no block leaves"),
+        (9, "cluster done", "  cluster.sync();  // no block leaves while another still reads "
+                            "its shared memory\n@@"),
+        (7, "partial written", "@@  if (splits == 1 || !merge) return;"),
+    ]),
+    "cuda_wgmma": Family(CUDA / "mla_decode_wgmma.cu", benchkit.ROOT / "configs" / "backends" /
+                         "cuda_wgmma.toml", [
+        (0, "start", "if (have < SHARED_NEED) __trap();@@"),
+        (1, "query in shared", "// Q for the wgmma's reads\n  __syncthreads();\n@@"),
+        (2, "tile ready", "    const uint8_t* raw = raw_s + buf * BN * RAW_STRIDE;\n@@"),
+        (3, "scores (S^T waited for)", "@@    // Masked, scaled scores"),
+        (4, "softmax, P stored", "@@\n#if KV_FORMAT == 1\n    value_product("),
+        (5, "P V", "    __syncthreads();  // the raw buffer, the scales and P are rewritten "
+                   "next iteration\n@@"),
+        (6, "row sums, output written", ": -INFINITY;\n    }\n  }\n@@}\n"),
+    ]),
+}
 
 PROBE = """
 __device__ unsigned long long mt_probes[{blocks} * {slots}];
+// Thread 0's running totals (shared: the stamps of a cluster merge are in another function).
+__shared__ unsigned long long mt_last_;
+__shared__ unsigned mt_sum_[16], mt_n_[16];
 #define MT_PROBE(k)                                                                     \\
   do {{                                                                                  \\
     if (threadIdx.x == 0) {{                                                             \\
       unsigned long long g_;                                                            \\
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_));                            \\
+      if ((k) == 0) {{                                                                   \\
+        for (int i_ = 0; i_ < 16; ++i_) mt_sum_[i_] = mt_n_[i_] = 0u;                   \\
+      }} else {{                                                                         \\
+        mt_sum_[k] += (unsigned)(g_ - mt_last_);                                        \\
+      }}                                                                                 \\
+      mt_n_[k] += 1u;                                                                   \\
+      mt_last_ = g_;                                                                    \\
       const unsigned s_ = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x; \\
-      if (s_ < {blocks}) mt_probes[s_ * {slots} + (k)] = g_;                            \\
+      if (s_ < {blocks}) {{                                                               \\
+        unsigned long long* p_ = mt_probes + s_ * {slots};                              \\
+        p_[k] = g_;                                                                     \\
+        p_[16 + (k)] = mt_sum_[k];                                                      \\
+        p_[32 + (k)] = mt_n_[k];                                                        \\
+      }}                                                                                 \\
     }}                                                                                   \\
   }} while (0)
 """
 
 
-def patched_source(text: str) -> str:
+def patched_source(family: Family, text: str) -> str:
     """The kernel with a stamp at every anchor (each must occur exactly once) and the
-    stamps' buffer after its includes."""
+    stamps' buffer and totals after its includes."""
     include = '#include "mla_common.cuh"\n'
     return probed_kernel.apply_patches(text, [
         *((a.replace("@@", ""), a.replace("@@", f"MT_PROBE({phase});\n"))
-          for phase, _, a in ANCHORS),
+          for phase, _, a in family.anchors),
         (include, include + PROBE.format(blocks=MAX_BLOCKS, slots=SLOTS))])
 
 
-def phase_names() -> dict[int, str]:
-    """Phase index -> its name (the first anchor's)."""
-    names: dict[int, str] = {}
-    for phase, name, _ in ANCHORS:
-        names.setdefault(phase, name)
-    return names
+def phases_name(family: Family) -> str:
+    """The registered name of the family's stamped copy."""
+    return f"{family.name}_phases"
 
 
-def write_family(where: Path) -> Path:
-    """A copy of the cuda_mma family file naming the patched source; returns its path."""
-    (where / "mla_decode_mma.cu").write_text(patched_source(SOURCE.read_text()))
-    (where / "mla_common.cuh").write_text((SOURCE.parent / "mla_common.cuh").read_text())
-    path = where / f"{NAME}.toml"
-    path.write_text(FAMILY.read_text().replace("../../kernels/cuda/", ""))
+def write_family(family: Family, where: Path) -> Path:
+    """A copy of the family file naming the patched source; returns its path."""
+    (where / family.source.name).write_text(patched_source(family, family.source.read_text()))
+    (where / "mla_common.cuh").write_text((CUDA / "mla_common.cuh").read_text())
+    path = where / f"{phases_name(family)}.toml"
+    path.write_text(family.family_file.read_text().replace("../../kernels/cuda/", ""))
     return path
 
 
@@ -110,19 +162,20 @@ def probe_buffer(run) -> tuple[object, int, int]:
 
 
 def stamps(api, ptr: int, size: int) -> list[list[int]]:
-    """Per block, per slot: globaltimer ns, 0 where none was written."""
+    """Per block, per slot (SLOTS): stamps in globaltimer ns, totals in ns, passes; 0 where
+    nothing was written."""
     host = (ctypes.c_uint64 * (size // 8))()
     api.call("MemcpyDtoH_v2", host, ctypes.c_uint64(ptr), ctypes.c_size_t(size))
     vals = list(host)
     return [vals[b * SLOTS:(b + 1) * SLOTS] for b in range(MAX_BLOCKS)]
 
 
-def profile(text: str, runs: int, heads: int) -> None:
+def profile(family: Family, text: str, runs: int, heads: int) -> None:
     from mla_tune.backends import get_backend
     from mla_tune.tuning.timing import CudaTimer
 
     dev = torch.device("cuda")
-    backend = get_backend(NAME)
+    backend = get_backend(phases_name(family))
     shape, config = benchkit.parse_int_knobs(text, heads)
     config = backend.declared_space(dev).validate(config)
     data = benchkit.task_input(shape, dev)
@@ -136,6 +189,8 @@ def profile(text: str, runs: int, heads: int) -> None:
     timer = CudaTimer(dev)
     since_start: dict[int, list[float]] = {}
     since_prev: dict[int, list[float]] = {}
+    total: dict[int, list[float]] = {}
+    passes: dict[int, list[int]] = {}
     ends: list[float] = []
     for _ in range(runs):
         api.call("MemsetD8_v2", ctypes.c_uint64(ptr), ctypes.c_ubyte(0), ctypes.c_size_t(size))
@@ -144,40 +199,47 @@ def profile(text: str, runs: int, heads: int) -> None:
         torch.cuda.synchronize()
         blocks = [b for b in stamps(api, ptr, size) if b[0]]
         t0 = min(b[0] for b in blocks)
-        ends.append((max(max(b) for b in blocks) - t0) / 1e3)
+        ends.append((max(max(b[:16]) for b in blocks) - t0) / 1e3)
         for b in blocks:
             prev = None
-            for k, g in enumerate(b):
+            for k, g in enumerate(b[:16]):
                 if not g:
                     continue
                 since_start.setdefault(k, []).append((g - t0) / 1e3)
+                total.setdefault(k, []).append(b[16 + k] / 1e3)
+                passes.setdefault(k, []).append(b[32 + k])
                 if prev is not None:
                     since_prev.setdefault(k, []).append((g - prev) / 1e3)
                 prev = g
-    names = phase_names()
+    names = family.phase_names()
     print(f"{text}  {'ok' if res.ok else 'WRONG'} (err {res.max_abs_err:.3g}); "
           f"last stamp {statistics.median(ends):.2f} us after the first block's start "
           f"(median of {runs})")
-    print(f"  {'phase':34} {'us from start':>14} {'us in phase':>12}")
+    print(f"  {'phase':34} {'us from start':>14} {'us in phase':>12} {'us in all':>10} "
+          f"{'passes':>7}")
     for k in sorted(since_start):
         step = statistics.median(since_prev[k]) if k in since_prev else 0.0
-        print(f"  {k} {names[k]:32} {statistics.median(since_start[k]):14.2f} {step:12.2f}")
+        print(f"  {k} {names[k]:32} {statistics.median(since_start[k]):14.2f} {step:12.2f} "
+              f"{statistics.median(total[k]):10.2f} {statistics.median(passes[k]):7.0f}")
     sys.stdout.flush()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("variants", nargs="+", help="FORMAT:BATCHxKV:KNOB=V,... (all knobs)")
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="cuda_mma")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--heads", type=int, default=16)
     a = ap.parse_args()
     from mla_tune.backends import FAMILY_FILES_ENV, register
 
+    family = FAMILIES[a.family]
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ[FAMILY_FILES_ENV] = str(write_family(Path(tmp)))
-        register(NAME, f"mla_tune.backends.compiled_source:family_{NAME}")
+        os.environ[FAMILY_FILES_ENV] = str(write_family(family, Path(tmp)))
+        name = phases_name(family)
+        register(name, f"mla_tune.backends.compiled_source:family_{name}")
         for text in a.variants:
-            profile(text, a.runs, a.heads)
+            profile(family, text, a.runs, a.heads)
 
 
 if __name__ == "__main__":
