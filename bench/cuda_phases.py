@@ -90,8 +90,7 @@ FAMILIES = {
         (2, "tile ready", "    const uint8_t* raw = raw_s + buf * BN * RAW_STRIDE;\n@@"),
         (3, "scores (S^T waited for)", "@@    // Masked, scaled scores"),
         (4, "softmax, P stored", "@@\n#if KV_FORMAT == 1\n    value_product("),
-        (5, "P V", "    __syncthreads();  // the raw buffer, the scales and P are rewritten "
-                   "next iteration\n@@"),
+        (5, "P V", "@@  }\n\n  // Row sums: over g, then the 4 warps."),
         (6, "row sums, output written", ": -INFINITY;\n    }\n  }\n@@}\n"),
     ]),
 }
