@@ -13,10 +13,14 @@
 //                e2m1 value times 2^-6); B = Q in shared memory, split into two e4m3 parts
 //                (hi + lo, about bf16's precision). MXFP4: one 32-element scale block per
 //                k-step, so each block's product lands in a fresh accumulator and is added
-//                to S^T times its keys' scales (two blocks in flight); fp8: one chain of
-//                products, the tensor's scale applied to the scores.
-//   softmax      per query row over the tile's keys (shuffles, then the 4 warps through
-//                shared memory); P through shared memory (f16 for fp8, bf16 for MXFP4).
+//                to S^T times its keys' scales, QK_BATCH blocks per commit group and two
+//                groups in flight; fp8: the blocks spread over CHAINS independent
+//                accumulators (one product is short next to the tensor pipe's latency), the
+//                tensor's scale applied to the scores.
+//   softmax      per query row against reference maxima shared by the 4 warps, P = 2^(s -
+//                m) through shared memory (f16 for fp8, bf16 for MXFP4); only when a warp's
+//                keys beat a reference by more than 2^LAZY do the warps exchange maxima
+//                (through shared memory) and rescale the output.
 //   O^T += V^T P^T  with mma.sync m16n8k16: value dims on M (thread (w, g) owns dims
 //                16 (8w + g) .. + 15, one 16- or 8-byte chunk of every key row and, MXFP4, one
 //                scale block), A = V^T from the raw tile in registers, two keys' bytes
@@ -24,8 +28,10 @@
 //                products, the tensor's scale applied to the output), MXFP4 the e2m1 bits of
 //                each key put in one half of a bf16x2 and multiplied by the keys' block
 //                scales (exact; bf16 products); B = P^T by ldmatrix.
-// Raw tiles (576 or 288 bytes per key) are copied with cp.async into a double buffer; MXFP4
-// scale bytes of the next tile wait in registers. The kernel reads each key's bytes once
+// Raw tiles (576 or 288 bytes per key) are copied with cp.async into a double buffer, the
+// next tile's issued once every warp is past the previous one; MXFP4 scale bytes of the next
+// tile wait in registers. After the first tiles a tile costs two block barriers: the tile
+// ready (which also frees the other buffer, P and the maxima) and P ready. The kernel reads each key's bytes once
 // and writes to shared memory only Q (once), P and the MXFP4 block scales.
 //
 // Within each 32-dim block, wgmma k-index kk holds dim e of the block: fp8 kk = e; MXFP4
@@ -36,7 +42,7 @@
 // Query rows: row f of a sequence is (token f / heads, head f % heads). Causality
 // (q_len > 1): token t of a sequence of kv length L attends to keys [0, L - q_len + t].
 // Lengths come from the indptr arrays on the device (ragged batches).
-// No torch headers: `nvcc -cubin -arch=sm_90a -DKV_FORMAT=2` (KV_FORMAT 1: fp8).
+// No torch headers: `nvcc -cubin -arch=sm_90a -DKV_FORMAT=2 -DQK_BATCH=3` (KV_FORMAT 1: fp8).
 
 #include <cuda_fp8.h>
 
@@ -63,10 +69,18 @@
 #define CHUNKS_PER_THREAD (RAW_CHUNKS / 2)  // two threads per key row
 #define QB_BYTES (NBLK * 512)  // one e4m3 part of Q: per block 16 rows x 32 bytes
 #define PSTRIDE ((BN + 8) * 2)
+#ifndef QK_BATCH
+#error "define QK_BATCH: scale blocks per fence (MXFP4: per commit group); divides 18"
+#endif
+#if NBLK % QK_BATCH
+#error "QK_BATCH must divide the 18 scale blocks"
+#endif
+#define CHAINS 4  // fp8: independent S^T accumulators
+#define LAZY 8.f  // log2 of the largest P before the rows' maxima are exchanged
 
 // Shared layout (bytes); the family file's `shared` formula is the same sum.
 #define RAW_BYTES (2 * BN * RAW_STRIDE)
-#define SC_BYTES (KV_FORMAT == 2 ? NBLK * BN * 4 : 0)
+#define SC_BYTES (KV_FORMAT == 2 ? 2 * NBLK * BN * 4 : 0)
 #define P_BYTES (16 * PSTRIDE)
 #define RED_BYTES (4 * 16 * 4 + 16 * 4)
 #define SHARED_NEED (2 * QB_BYTES + RAW_BYTES + SC_BYTES + P_BYTES + RED_BYTES)
@@ -231,6 +245,23 @@ __device__ __forceinline__ void value_product(float (&acc)[8][2][4], const uint8
 }
 #endif
 
+// This thread's P = 2^(s - m) (0 for masked keys) into p (registers, for the row sums) and
+// into shared memory (rows x keys; f16 for fp8, bf16 for MXFP4), the B operand of P V.
+__device__ __forceinline__ void store_p(float (&p)[8], const float (&s)[8], const float (&m)[4],
+                                        uint8_t* p_s, int t, int key_lo) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const int k = (e & 1) + 2 * (e >> 2);
+    p[e] = s[e] == -INFINITY ? 0.f : exp2f(s[e] - m[k]);
+    const int h = 2 * t + (e & 1) + 8 * (e >> 2), key = key_lo + 8 * ((e >> 1) & 1);
+#if KV_FORMAT == 1
+    reinterpret_cast<__half*>(p_s + h * PSTRIDE)[key] = __float2half_rn(p[e]);
+#else
+    reinterpret_cast<__nv_bfloat16*>(p_s + h * PSTRIDE)[key] = __float2bfloat16_rn(p[e]);
+#endif
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(NT)
 mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
           const void* __restrict__ kv_scale, const int* __restrict__ qo_indptr,
@@ -363,10 +394,13 @@ mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
       for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
 
 #if KV_FORMAT == 2
-  // The per-block products of S^T, two in flight (overwritten by each block's first wgmma).
-  float part_acc[2][8];
+  // The per-block products of S^T, two batches in flight (each overwritten by its block's
+  // first wgmma).
+  float part_acc[2][QK_BATCH][8];
 #pragma unroll
-  for (int e = 0; e < 8; ++e) part_acc[0][e] = part_acc[1][e] = 0.f;
+  for (int i = 0; i < QK_BATCH; ++i)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) part_acc[0][i][e] = part_acc[1][i][e] = 0.f;
 #endif
   const uint64_t dhi = q_desc(smem_addr(qhi_s)), dlo = q_desc(smem_addr(qlo_s));
   const int key_lo = 16 * warp + g;  // this thread's keys on S^T's M side: key_lo, key_lo + 8
@@ -387,80 +421,118 @@ mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
 #pragma unroll
     for (int j = 0; j < CHUNKS_PER_THREAD; ++j) sb_cur[j] = sb_next[j];
 #endif
-    if (tile + 1 < t_end) {
-      issue(tile + 1, buf ^ 1);
-      asm volatile("cp.async.wait_group 1;\n" ::);
-    } else {
-      asm volatile("cp.async.wait_group 0;\n" ::);
-    }
+    asm volatile("cp.async.wait_group 0;\n" ::);  // this tile's copies, the only ones in flight
 #if KV_FORMAT == 2
-    // The tile's block scales as floats; `wide`: a value block scale outside [1, 128]
-    // (the bf16 multipliers then take two steps).
+    // The tile's block scales as floats (a buffer per raw buffer: the previous tile's may
+    // still be read); `wide`: a value block scale outside [1, 128] (the bf16 multipliers
+    // then take two steps).
+    float* sc_t = sc_s + buf * NBLK * BN;
     int wide = 0;
 #pragma unroll
     for (int j = 0; j < CHUNKS_PER_THREAD; ++j) {
       const int c = 2 * j + my_half;
       const uint32_t e = sb_cur[j];
-      sc_s[c * BN + my_row] = __uint_as_float(e ? e << 23 : 0x00400000u);
+      sc_t[c * BN + my_row] = __uint_as_float(e ? e << 23 : 0x00400000u);
       wide |= c < DV / 32 && (e == 0u || e > 128u);
     }
     wide = __syncthreads_or(wide);
 #else
     __syncthreads();
 #endif
+    // Every warp is past the previous tile, so its buffer (and P, the maxima) may be
+    // rewritten: the next tile's copies go there while this one is computed.
+    if (tile + 1 < t_end) issue(tile + 1, buf ^ 1);
     const uint8_t* raw = raw_s + buf * BN * RAW_STRIDE;
 
 #if KV_FORMAT == 1
     // S^T for this warp's 16 keys x 16 rows: the keys' bytes are the A fragments (row g:
-    // bytes 4t.. and 16 + 4t.. of each 32-byte block), one chain of products over the 18
-    // blocks and both parts of Q.
-    float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    // bytes 4t.. and 16 + 4t.. of each 32-byte block). A product of 64 x 16 x 32 is short
+    // next to the tensor pipe's latency, so the 18 blocks (x both parts of Q) go to CHAINS
+    // independent accumulators, summed at the end; A fragments are loaded a batch of blocks
+    // at a time, one fence per batch.
+    float s[8];
     {
       const uint32_t* r_lo = reinterpret_cast<const uint32_t*>(raw + key_lo * RAW_STRIDE) + t;
       const uint32_t* r_hi = reinterpret_cast<const uint32_t*>(raw + (key_lo + 8) * RAW_STRIDE) + t;
+      float ch[CHAINS][8];
 #pragma unroll
-      for (int c = 0; c < NBLK; ++c) {
-        const uint32_t a[4] = {r_lo[8 * c], r_hi[8 * c], r_lo[8 * c + 4], r_hi[8 * c + 4]};
+      for (int b0 = 0; b0 < NBLK; b0 += QK_BATCH) {
+        uint32_t a[QK_BATCH][4];
+#pragma unroll
+        for (int i = 0; i < QK_BATCH; ++i) {
+          const int c = b0 + i;
+          a[i][0] = r_lo[8 * c];
+          a[i][1] = r_hi[8 * c];
+          a[i][2] = r_lo[8 * c + 4];
+          a[i][3] = r_hi[8 * c + 4];
+        }
         wgmma_fence();
-        wgmma_e4m3(s, a, dhi + c * (512 >> 4), c > 0);
-        wgmma_e4m3(s, a, dlo + c * (512 >> 4), 1);
+#pragma unroll
+        for (int i = 0; i < QK_BATCH; ++i) {
+          const int c = b0 + i;
+          wgmma_e4m3(ch[c % CHAINS], a[i], dhi + c * (512 >> 4), c >= CHAINS);
+          wgmma_e4m3(ch[c % CHAINS], a[i], dlo + c * (512 >> 4), 1);
+        }
       }
       wgmma_commit();
       wgmma_wait<0>();
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        s[e] = ch[0][e];
+#pragma unroll
+        for (int i = 1; i < CHAINS; ++i) s[e] += ch[i][e];
+      }
     }
 
 #else
     // S^T for this warp's 16 keys x 16 rows: per scale block one product (hi and lo parts
-    // of Q) into a fresh accumulator, added times the keys' scales once it completes.
+    // of Q) into a fresh accumulator, added times the keys' scales once it completes. Blocks
+    // go a batch of QK_BATCH at a time (one fence, one commit group), two batches in flight.
     float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     {
       const uint32_t* r_lo = reinterpret_cast<const uint32_t*>(raw + key_lo * RAW_STRIDE) + t;
       const uint32_t* r_hi = reinterpret_cast<const uint32_t*>(raw + (key_lo + 8) * RAW_STRIDE) + t;
+      constexpr int NB = NBLK / QK_BATCH;
 #pragma unroll
-      for (int c = 0; c <= NBLK; ++c) {
-        if (c < NBLK) {
-          const uint32_t w_lo = r_lo[4 * c], w_hi = r_hi[4 * c];
-          const uint32_t a[4] = {e2m1_even_e4m3(w_lo), e2m1_even_e4m3(w_hi), e2m1_odd_e4m3(w_lo),
-                                 e2m1_odd_e4m3(w_hi)};
+      for (int bt = 0; bt <= NB; ++bt) {
+        if (bt < NB) {
+          uint32_t a[QK_BATCH][4];
+#pragma unroll
+          for (int i = 0; i < QK_BATCH; ++i) {
+            const int c = bt * QK_BATCH + i;
+            const uint32_t w_lo = r_lo[4 * c], w_hi = r_hi[4 * c];
+            a[i][0] = e2m1_even_e4m3(w_lo);
+            a[i][1] = e2m1_even_e4m3(w_hi);
+            a[i][2] = e2m1_odd_e4m3(w_lo);
+            a[i][3] = e2m1_odd_e4m3(w_hi);
+          }
           wgmma_fence();
-          wgmma_e4m3(part_acc[c & 1], a, dhi + c * (512 >> 4), 0);
-          wgmma_e4m3(part_acc[c & 1], a, dlo + c * (512 >> 4), 1);
+#pragma unroll
+          for (int i = 0; i < QK_BATCH; ++i) {
+            const int c = bt * QK_BATCH + i;
+            wgmma_e4m3(part_acc[bt & 1][i], a[i], dhi + c * (512 >> 4), 0);
+            wgmma_e4m3(part_acc[bt & 1][i], a[i], dlo + c * (512 >> 4), 1);
+          }
           wgmma_commit();
         }
-        if (c > 0) {
-          if (c < NBLK)
+        if (bt > 0) {
+          if (bt < NB)
             wgmma_wait<1>();
           else
             wgmma_wait<0>();
-          const float* pa = part_acc[(c - 1) & 1];
-          const float sl = sc_s[(c - 1) * BN + key_lo], sh = sc_s[(c - 1) * BN + key_lo + 8];
 #pragma unroll
-          for (int e = 0; e < 8; ++e) s[e] = fmaf(pa[e], (e & 2) ? sh : sl, s[e]);
+          for (int i = 0; i < QK_BATCH; ++i) {
+            const int c = (bt - 1) * QK_BATCH + i;
+            const float* pa = part_acc[(bt - 1) & 1][i];
+            const float sl = sc_t[c * BN + key_lo], sh = sc_t[c * BN + key_lo + 8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) s[e] = fmaf(pa[e], (e & 2) ? sh : sl, s[e]);
+          }
         }
       }
     }
 #endif
-    // Masked, scaled scores; each row's maximum over this warp's keys, then the 4 warps'.
+    // Masked, scaled scores; each row's maximum over this warp's keys.
     float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -469,53 +541,55 @@ mla_split(const __nv_bfloat16* __restrict__ q, const uint8_t* __restrict__ kv,
       s[e] = key <= lim[k] ? s[e] * smul[k] : -INFINITY;
       mx[k] = fmaxf(mx[k], s[e]);
     }
+    // P against the rows' reference maxima m_run, the same in every warp; a warp whose keys
+    // beat a reference by more than 2^LAZY (P would pass 2^LAZY) asks for new ones, and
+    // only then do the warps exchange their maxima and the output get rescaled: after the
+    // first tiles the common path has one barrier, which also publishes P.
+    int beat = 0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1) mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], o));
-      if (g == 0) red_s[warp * 16 + 2 * t + (k & 1) + 8 * (k >> 1)] = mx[k];
+      beat |= mx[k] > m_run[k] + LAZY;
     }
-    __syncthreads();
-    float alpha[4];
+    float p[8];
+    store_p(p, s, m_run, p_s, t, key_lo);
+    if (__syncthreads_or(beat)) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int h = 2 * t + (k & 1) + 8 * (k >> 1);
-      float m_new = m_run[k];
+      for (int k = 0; k < 4; ++k)
+        if (g == 0) red_s[warp * 16 + 2 * t + (k & 1) + 8 * (k >> 1)] = mx[k];
+      __syncthreads();
+      float alpha[4];
 #pragma unroll
-      for (int w = 0; w < 4; ++w) m_new = fmaxf(m_new, red_s[w * 16 + h]);
-      alpha[k] = m_new == -INFINITY ? 1.f : exp2f(m_run[k] - m_new);
-      m_run[k] = m_new;
-      l_part[k] *= alpha[k];
+      for (int k = 0; k < 4; ++k) {
+        const int h = 2 * t + (k & 1) + 8 * (k >> 1);
+        float m_new = m_run[k];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) m_new = fmaxf(m_new, red_s[w * 16 + h]);
+        alpha[k] = m_new == -INFINITY ? 1.f : exp2f(m_run[k] - m_new);
+        m_run[k] = m_new;
+        l_part[k] *= alpha[k];
+      }
+#pragma unroll
+      for (int m = 0; m < 8; ++m)
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[m][n][e] *= alpha[2 * n + (e & 1)];
+      store_p(p, s, m_run, p_s, t, key_lo);
+      __syncthreads();
     }
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const int k = (e & 1) + 2 * (e >> 2);
-      const float p = m_run[k] == -INFINITY ? 0.f : exp2f(s[e] - m_run[k]);
-      l_part[k] += p;
-      const int h = 2 * t + (e & 1) + 8 * (e >> 2), key = key_lo + 8 * ((e >> 1) & 1);
-#if KV_FORMAT == 1
-      reinterpret_cast<__half*>(p_s + h * PSTRIDE)[key] = __float2half_rn(p);
-#else
-      reinterpret_cast<__nv_bfloat16*>(p_s + h * PSTRIDE)[key] = __float2bfloat16_rn(p);
-#endif
-    }
-#pragma unroll
-    for (int m = 0; m < 8; ++m)
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][n][e] *= alpha[2 * n + (e & 1)];
-    __syncthreads();
+    for (int e = 0; e < 8; ++e) l_part[(e & 1) + 2 * (e >> 2)] += p[e];
 
 #if KV_FORMAT == 1
     value_product(acc, raw, p_lane, t, chunk);
 #else
     if (wide)
-      value_product<true>(acc, raw, sc_s + vblk * BN, p_lane, t, chunk);
+      value_product<true>(acc, raw, sc_t + vblk * BN, p_lane, t, chunk);
     else
-      value_product<false>(acc, raw, sc_s + vblk * BN, p_lane, t, chunk);
+      value_product<false>(acc, raw, sc_t + vblk * BN, p_lane, t, chunk);
 #endif
-    __syncthreads();  // the raw buffer, the scales and P are rewritten next iteration
   }
 
   // Row sums: over g, then the 4 warps.

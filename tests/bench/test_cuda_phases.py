@@ -28,8 +28,8 @@ def test_every_anchor_places_one_stamp(name: str) -> None:
 @pytest.mark.parametrize("name, defines", [
     ("cuda_mma", dict(KV_FORMAT=0, BN=64, MT=1, LOAD=0, QK=1, CLUSTER=16, CLUSTER_BF16=1)),
     ("cuda_mma", dict(KV_FORMAT=2, BN=64, MT=1, LOAD=1, QK=0, CLUSTER=0, CLUSTER_BF16=0)),
-    ("cuda_wgmma", dict(KV_FORMAT=1)),
-    ("cuda_wgmma", dict(KV_FORMAT=2)),
+    ("cuda_wgmma", dict(KV_FORMAT=1, QK_BATCH=3)),
+    ("cuda_wgmma", dict(KV_FORMAT=2, QK_BATCH=2)),
 ])
 def test_the_patched_kernel_compiles_with_its_stamps(tmp_path, name, defines) -> None:
     family = cuda_phases.FAMILIES[name]
