@@ -31,8 +31,9 @@
 // Raw tiles (576 or 288 bytes per key) are copied with cp.async into a double buffer, the
 // next tile's issued once every warp is past the previous one; MXFP4 scale bytes of the next
 // tile wait in registers. After the first tiles a tile costs two block barriers: the tile
-// ready (which also frees the other buffer, P and the maxima) and P ready. The kernel reads each key's bytes once
-// and writes to shared memory only Q (once), P and the MXFP4 block scales.
+// ready (which also frees the other buffer, P and the maxima) and P ready. The kernel reads
+// each key's bytes once and writes to shared memory only Q (once), P and the MXFP4 block
+// scales.
 //
 // Within each 32-dim block, wgmma k-index kk holds dim e of the block: fp8 kk = e; MXFP4
 // kk = 16 (e % 2) + 4 (e / 8) + (e % 8) / 2 (a raw 32-bit word's even elements, then its odd
