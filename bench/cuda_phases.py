@@ -53,6 +53,11 @@ class Family:
     def name(self) -> str:
         return self.family_file.stem
 
+    @property
+    def phases_name(self) -> str:
+        """The registered name of the stamped copy."""
+        return f"{self.name}_phases"
+
     def phase_names(self) -> dict[int, str]:
         """Phase index -> its name (the first anchor's)."""
         names: dict[int, str] = {}
@@ -134,16 +139,11 @@ def patched_source(family: Family, text: str) -> str:
         (include, include + PROBE.format(blocks=MAX_BLOCKS, slots=SLOTS))])
 
 
-def phases_name(family: Family) -> str:
-    """The registered name of the family's stamped copy."""
-    return f"{family.name}_phases"
-
-
 def write_family(family: Family, where: Path) -> Path:
     """A copy of the family file naming the patched source; returns its path."""
     (where / family.source.name).write_text(patched_source(family, family.source.read_text()))
     (where / "mla_common.cuh").write_text((CUDA / "mla_common.cuh").read_text())
-    path = where / f"{phases_name(family)}.toml"
+    path = where / f"{family.phases_name}.toml"
     path.write_text(family.family_file.read_text().replace("../../kernels/cuda/", ""))
     return path
 
@@ -174,7 +174,7 @@ def profile(family: Family, text: str, runs: int, heads: int) -> None:
     from mla_tune.tuning.timing import CudaTimer
 
     dev = torch.device("cuda")
-    backend = get_backend(phases_name(family))
+    backend = get_backend(family.phases_name)
     shape, config = benchkit.parse_int_knobs(text, heads)
     config = backend.declared_space(dev).validate(config)
     data = benchkit.task_input(shape, dev)
@@ -235,7 +235,7 @@ def main() -> None:
     family = FAMILIES[a.family]
     with tempfile.TemporaryDirectory() as tmp:
         os.environ[FAMILY_FILES_ENV] = str(write_family(family, Path(tmp)))
-        name = phases_name(family)
+        name = family.phases_name
         register(name, f"mla_tune.backends.compiled_source:family_{name}")
         for text in a.variants:
             profile(family, text, a.runs, a.heads)
