@@ -4,7 +4,9 @@ For one loop of bench/serving_loop.py (batch, format, page size; the shipped DB'
 winner), after the bucket's first step: the median host time per call, over blocks of 50
 calls with the GPU kept busy, of
 - `plan(check=False)` (device metadata, the fast path) and `run` as a server calls them,
-  with launch graphs (the default: the step's launches replayed from one graph once its
+  also with the page indices as a new view of a longer buffer each call, its length
+  changing from call to call (a server's persistent buffer, its pages growing), with launch
+  graphs (the default: the step's launches replayed from one graph once its
   addresses repeat) and without (`graph_launches=False`: the kernels launched each call);
 - the route's launch function with the step's pointers (what `run` calls after its checks);
 - the Triton C launcher(s) alone, their argument tuples built beforehand;
@@ -96,11 +98,23 @@ def main() -> None:
     def noop() -> None:
         return None
 
+    # A server's page-index buffer, longer than the step's pages, passed as a new view each
+    # call whose length changes (50 lengths of one bucket; unused entries are never read).
+    buf = torch.cat([idx, idx[:64]])
+    views = [buf[:idx.numel() + j] for j in range(50)]
+    turn = iter(range(1 << 62))
+
+    def plan_view() -> None:
+        w.plan(loop.qo, ptr, views[next(turn) % 50], lens, check=False)
+
     rows = {
         "plan(check=False)": lambda: w.plan(loop.qo, ptr, idx, lens, check=False),
         "run": lambda: w.run(loop.q, loop.cache),
         "plan + run": lambda: (w.plan(loop.qo, ptr, idx, lens, check=False),
                                w.run(loop.q, loop.cache)),
+        "plan(check=False), a new view of the page indices, its length changing":
+            plan_view,
+        "plan + run, the same new views": lambda: (plan_view(), w.run(loop.q, loop.cache)),
         "run, eager launches": lambda: eager.run(loop.q, loop.cache),
         "plan + run, eager launches": lambda: (eager.plan(loop.qo, ptr, idx, lens, check=False),
                                                eager.run(loop.q, loop.cache)),

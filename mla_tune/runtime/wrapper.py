@@ -59,7 +59,8 @@ the very tensor objects of the previous plan, at the same addresses (a server's 
 buffers, rewritten each step), has nothing to do and returns after comparing them: the
 kernels read the new contents on the device; with those very qo_indptr, kv_lens and
 kv_indptr and a new kv_indices (a view of a page-index buffer as long as the step's pages),
-only the new tensor is queried. It trusts that those tensors kept their shape
+only the new tensor is queried, and its page count only compared with the range of counts
+that stay in the last plan's bucket (`pages_of_class`). It trusts that those tensors kept their shape
 and dtype: after an in-place change of their metadata (`resize_`, `set_`), plan with
 check=True or with new tensors. The returned output
 is the runner's own buffer, overwritten by the next `run` of its bucket: copy what you
@@ -89,6 +90,18 @@ _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False)
 """Whether the current CUDA stream is capturing a graph (torch.cuda's own query, without
 its Python frame)."""
 _NAMES = ("qo_indptr", "kv_lens", "kv_indptr", "kv_indices")
+
+
+def pages_of_class(kv_lo: int, kv_hi: int, batch: int, page_size: int, q_tokens: int
+                   ) -> tuple[int, int]:
+    """The page counts [first, last] that a fast-path plan of `batch` sequences puts in
+    the kv class (kv_lo, kv_hi]. That plan takes pages x page_size tokens (at least the
+    batch's q_tokens), averaged over the batch and rounded up, as the class's length: a
+    count inside the range needs no class lookup. Serving steps change the count often
+    (every step with pages of one token) without leaving the class."""
+    last = kv_hi * batch // page_size
+    first = 1 if q_tokens > kv_lo * batch else kv_lo * batch // page_size + 1
+    return first, last
 
 
 class _Route:
@@ -160,8 +173,9 @@ class MLADecodeWrapper:
         self._direct = not use_cuda_graph
         self._runners: dict[tuple[Any, ...], BucketRunner] = {}
         self._routes: dict[tuple[int, int], _Route] = {}
-        self._sized: dict[tuple[int, int], _Route] = {}
-        """The route of each (batch, pages) the fast plan path has seen (no class lookup)."""
+        self._sized: dict[tuple[int, int], tuple[_Route, int, int]] = {}
+        """Each (batch, pages) the fast plan path has seen: its route and the page counts
+        of the route's class (pages_of_class): no class lookup."""
         self._aranges: dict[tuple[int, int, bool], torch.Tensor] = {}
         self._route: _Route | None = None
         self._bound: tuple[torch.Tensor, ...] = ()
@@ -176,8 +190,8 @@ class MLADecodeWrapper:
         self._kv_class = self.router.edges.kv_class
         self._seen: tuple[torch.Tensor, ...] = ()
         """The metadata tensors of the last direct fast-path plan (the next one may skip)."""
-        self._seen_batch = 0
-        """The batch of that plan."""
+        self._span: tuple[Any, int, int] = (None, 0, -1)
+        """That plan's route and the page counts that stay in it (pages_of_class)."""
 
     @property
     def builds(self) -> int:
@@ -278,21 +292,23 @@ class MLADecodeWrapper:
             return False
         total = nnz * self.page_size  # pages: an upper bound on the tokens
         size = (batch, nnz)
-        route = self._sized.get(size)
-        if route is None:
+        span = self._sized.get(size)
+        if span is None:
             q_tokens = batch * self.q_len
-            hi = self._kv_class(-(-(total if total > q_tokens else q_tokens) // batch))[1]
+            lo, hi = self._kv_class(-(-(total if total > q_tokens else q_tokens) // batch))
             route = self._routes.get((batch, hi))
             if route is None:
                 return False
             if len(self._sized) >= 4096:
                 self._sized.clear()
-            self._sized[size] = route
+            span = self._sized[size] = (route, *pages_of_class(lo, hi, batch, self.page_size,
+                                                                q_tokens))
+        route = span[0]
         if self._direct:
             if route.captured and key not in route.captured:
                 return False
             self._bound, self._ptrs, self._key = (qo, lens, ptr, idx), key, key
-            self._seen, self._seen_batch = self._bound, batch
+            self._seen, self._span = self._bound, span
         else:
             planner = self._planner()
             if planner is None:
@@ -308,7 +324,8 @@ class MLADecodeWrapper:
         """The fast path of a plan whose qo_indptr, kv_lens and kv_indptr are the last
         direct plan's tensor objects, unmoved, and whose kv_indices is new (a server's
         page-index buffer passed as a view as long as the step's pages: a new object every
-        step): only the new tensor is queried. False: take the whole fast path."""
+        step): only the new tensor is queried, its page count compared with those of the
+        last plan's class. False: take the whole fast path."""
         key = self._key
         if (qo.data_ptr(), lens.data_ptr(), ptr.data_ptr()) != key[:3]:
             return False
@@ -319,8 +336,8 @@ class MLADecodeWrapper:
         except (AttributeError, ValueError):
             return False
         idx_ptr = idx.data_ptr()
-        route = self._sized.get((self._seen_batch, nnz))
-        if route is None or idx_ptr & 15 or not idx.is_contiguous():
+        route, first, last = self._span
+        if not first <= nnz <= last or idx_ptr & 15 or not idx.is_contiguous():
             return False
         new_key = (key[0], key[1], key[2], idx_ptr)
         if route.captured and new_key not in route.captured:

@@ -15,7 +15,8 @@ import torch
 from mla_tune.problem.reference import mla_decode_reference
 from mla_tune.problem.shapes import Shape, generate_input
 from mla_tune.runtime.dispatcher import Dispatcher
-from mla_tune.runtime.wrapper import MLADecodeWrapper
+from mla_tune.runtime.buckets import BucketEdges
+from mla_tune.runtime.wrapper import MLADecodeWrapper, pages_of_class
 
 LENS = (37, 130, 70)
 
@@ -108,6 +109,24 @@ def test_block_table_form_is_the_same_call(cpu_dispatcher: Dispatcher) -> None:
     w.plan(qo, ptr, idx, torch.tensor(lens, dtype=torch.int32))
     assert torch.equal(out, w.run(q, cache))
     assert float((out.float() - mla_decode_reference(*data)).abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("edges", [BucketEdges(), BucketEdges((100, 300, 1000))])
+@pytest.mark.parametrize("batch,page,q_tokens", [(3, 1, 3), (5, 16, 20), (7, 64, 7),
+                                                 (2, 64, 900), (1, 16, 4)])
+def test_pages_of_class_is_every_page_count_of_the_class(edges: BucketEdges, batch: int,
+                                                         page: int, q_tokens: int) -> None:
+    """Against the fast plan's own arithmetic: pages x page size tokens (at least
+    q_tokens), the mean over the batch rounded up, its kv class."""
+    def cls(n: int) -> tuple[int, int]:
+        return edges.kv_class(-(-max(n * page, q_tokens) // batch))
+
+    for n in list(range(1, 400)) + [4095, 4096, 4097, 70001]:
+        first, last = pages_of_class(*cls(n), batch, page, q_tokens)
+        assert first <= n <= last
+        assert cls(first) == cls(last) == cls(n)
+        assert first == 1 or cls(first - 1) != cls(n)
+        assert cls(last + 1) != cls(n)
 
 
 def _growing_steps(n: int = 6) -> list[tuple[Any, ...]]:
@@ -451,3 +470,34 @@ def test_plan_with_the_same_tensors_reads_their_new_contents() -> None:
             same.plan(qo.clone(), ptr.clone(), idx.clone(), lens.clone(), check=False)
             same.plan(qo, ptr, idx, lens, check=False)
             assert torch.equal(same.run(buf.q, buf.pool), got)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fast plan path needs a CUDA GPU")
+def test_new_page_views_with_new_counts_keep_or_leave_the_bucket_as_a_full_plan() -> None:
+    """Pages of one token: every step of a growing loop has more pages, the server's
+    page-index view is a new tensor each step; the plan that queries only that view takes
+    the same bucket as a plan of new tensors (also across the class edge at a mean of 2048)
+    and the same output."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    steps = []
+    for s in range(5):  # means 2046 .. 2050
+        lens = tuple(L + s for L in (2046, 2040, 2052))
+        data = generate_input(Shape(3, lens), seed=s, device=dev)
+        cache, idx, ptr = paged_pool({"bf16": data[1]["bf16"].cpu()}, lens, 1, "bf16", s)
+        steps.append((data[0], cache.to(dev), idx.to(dev), ptr.to(dev),
+                      torch.tensor(lens, dtype=torch.int32, device=dev)))
+    buf = _ServerBuffers(steps, dev)
+    disp = Dispatcher([], dev)
+    viewed = MLADecodeWrapper("bf16", 16, 1, 1, dev, dispatcher=disp)
+    fresh = MLADecodeWrapper("bf16", 16, 1, 1, dev, dispatcher=disp)
+    buckets = []
+    for s in range(5):
+        pages = buf.write(s)
+        viewed.plan(buf.qo, buf.ptr, pages, buf.lens, check=False)
+        got = viewed.run(buf.q, buf.pool).clone()
+        fresh.plan(buf.qo.clone(), buf.ptr.clone(), pages.clone(), buf.lens.clone(),
+                   check=False)
+        assert viewed.bucket == fresh.bucket
+        assert torch.equal(got, fresh.run(buf.q, buf.pool))
+        buckets.append(viewed.bucket.kv_hi)
+    assert buckets == [2048, 2048, 2048, 4096, 4096]
