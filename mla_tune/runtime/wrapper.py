@@ -60,9 +60,9 @@ buffers, rewritten each step), has nothing to do and returns after comparing the
 kernels read the new contents on the device; with those very qo_indptr, kv_lens and
 kv_indptr and a new kv_indices (a view of a page-index buffer as long as the step's pages),
 only the new tensor is queried, and its page count only compared with the range of counts
-that stay in the last plan's bucket (`pages_of_class`). It trusts that those tensors kept their shape
-and dtype: after an in-place change of their metadata (`resize_`, `set_`), plan with
-check=True or with new tensors. The returned output
+that stay in the last plan's bucket (`pages_of_class`). It trusts that those tensors kept
+their shape and dtype: after an in-place change of their metadata (`resize_`, `set_`),
+plan with check=True or with new tensors. The returned output
 is the runner's own buffer, overwritten by the next `run` of its bucket: copy what you
 keep.
 """
