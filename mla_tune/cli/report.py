@@ -172,7 +172,13 @@ def _print_report(rows: Sequence[Any], suite: Sequence[Shape] | None,
     from rich import box
     from rich.text import Text
 
-    from mla_tune.reports.table import COLUMNS, config_text, summary_lines, table_notes
+    from mla_tune.reports.table import (
+        COLUMNS,
+        config_text,
+        summary_lines,
+        table_notes,
+        thin_sweeps,
+    )
 
     groups: dict[tuple[str, str], list[Any]] = {}
     for r in rows:
@@ -187,7 +193,8 @@ def _print_report(rows: Sequence[Any], suite: Sequence[Shape] | None,
         for r in group:
             table.add_row(*(Text(COLUMNS[name].cell(r)) for name in columns))
         to.print(table)
-        for line in table_notes(group) + summary_lines(rows, suite, (device, sw)):
+        for line in (table_notes(group) + thin_sweeps(rows, group)
+                     + summary_lines(rows, suite, (device, sw))):
             to.print(line, markup=False, highlight=False, emoji=False, soft_wrap=False)
         if configs:
             to.print("configs:", highlight=False)

@@ -23,6 +23,11 @@ from mla_tune.results.winner import Winner
 from mla_tune.tuning.runoff import timed_with
 
 LIBRARY_BACKENDS = ("flashinfer", "aiter")
+THIN_TRIALS = 2
+"""A kernel family with at most this many timed trials at a shape, where it has more than
+THIN_ELSEWHERE at another shape of the same device and stack, was barely swept there: its
+best variant for that shape may never have been timed (`thin_sweeps`)."""
+THIN_ELSEWHERE = 10
 ALL_FORMATS = "all"
 # Two-sided 95% Student-t quantiles for 1-9 degrees of freedom; from 10 on the
 # Cornish-Fisher expansion in `t95` is within 1e-5 (relative) of the exact value.
@@ -193,6 +198,13 @@ class ReportRow:
         return ci95_halfwidth(self.std_us, self.n)
 
     @cached_property
+    def family_trials(self) -> dict[str, int]:
+        """Timed (ok) trials per backend at this shape, of each backend's newest source
+        here: how thoroughly each family was swept."""
+        return dict(Counter(t.backend for t in latest_source_trials(self.trials)
+                            if t.status == "ok"))
+
+    @cached_property
     def knob_spread(self) -> dict[str, float]:
         """Which knobs of the winning backend mattered (see `knob_spread`); computed once
         per row (the HTML report reads it several times)."""
@@ -208,7 +220,8 @@ class ReportRow:
             "pct_of_read_bw": self.pct_of_read_bw, "baseline_backend": self.baseline_backend,
             "baseline_us": self.baseline_us, "speedup_vs_baseline": self.speedup_vs_baseline,
             "torch_us": self.torch_us, "speedup_vs_torch": self.speedup_vs_torch,
-            "trials": self.counts, "knob_spread": self.knob_spread,
+            "trials": self.counts, "family_trials": self.family_trials,
+            "knob_spread": self.knob_spread,
             "superseded": self.superseded, "side_by_side": self.side_by_side,
             "moment_spread_us": self.moment_spread_us,
         }
@@ -426,6 +439,9 @@ COLUMNS: dict[str, Column] = {
     "vs_torch": Column("vs torch", lambda r: f"{r.speedup_vs_torch:.2f}x"
                        if r.speedup_vs_torch else "-"),
     "trials": Column("trials", _trials_text, False, "ok/wrong/failed/timeout"),
+    "families": Column("timed per family", lambda r: " ".join(
+        f"{b}:{n}" for b, n in sorted(r.family_trials.items())), False,
+        "timed trials of each backend here"),
 }
 # Fits 80 columns with every shape label (`256x8192 mxfp4 h128 q4`) and backend name.
 DEFAULT_COLUMNS = ("shape", "winner", "us", "ci", "gbps", "bw", "baseline", "vs_baseline")
@@ -531,6 +547,49 @@ def summary_lines(rows: Sequence[Any], suite: Sequence[Shape] | None,
     return lines
 
 
+def thin_sweeps(rows: Sequence[ReportRow], shown: Sequence[ReportRow] | None = None
+                ) -> list[str]:
+    """One line per kernel family (library baselines and torch aside: their few variants are
+    all they have) with at most THIN_TRIALS timed trials at some shapes of `shown` (all
+    `rows` by default) where it has more than THIN_ELSEWHERE at another shape of `rows` of
+    the same device and KV format; a shape's trials counted over every stack (the
+    dispatcher routes by all of them). A winner there may stand only because that family's
+    better variants were never timed."""
+    per_shape: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+    for r in rows:
+        per_shape[(r.device_hash, r.shape.key)].update(r.family_trials)
+    fmt_of = {(r.device_hash, r.shape.key): r.shape.kv_format.value for r in rows}
+    most: dict[tuple[str, str, str], int] = defaultdict(int)
+    for (dev, key), counts in per_shape.items():
+        for b, n in counts.items():
+            most[(dev, fmt_of[(dev, key)], b)] = max(most[(dev, fmt_of[(dev, key)], b)], n)
+    thin: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    top: dict[str, int] = defaultdict(int)
+    seen: set[tuple[str, str]] = set()
+    for r in rows if shown is None else shown:
+        here = (r.device_hash, r.shape.key)
+        if here in seen:
+            continue
+        seen.add(here)
+        for (dev, fmt, b), n_most in most.items():
+            if (dev, fmt) != (r.device_hash, r.shape.kv_format.value) \
+                    or n_most <= THIN_ELSEWHERE or b in LIBRARY_BACKENDS or b == "torch":
+                continue
+            n = per_shape[here][b]
+            if n <= THIN_TRIALS:
+                thin[b].append((r.shape.label(), n))
+                top[b] = max(top[b], n_most)
+    lines = []
+    for b, found in sorted(thin.items()):
+        eg = ", ".join(f"{label}: {n}" for label, n in found[:3])
+        lines.append(f"thin sweeps: {b} has at most {THIN_TRIALS} timed trials at "
+                     f"{len(found)} shape(s) ({eg}{', ...' if len(found) > 3 else ''}) and "
+                     f"up to {top[b]} at another of the same format: its best variants there "
+                     f"may never have been timed (`mla-tune sweep --shape ... --backend {b}` "
+                     "times them)")
+    return lines
+
+
 def table_notes(rows: Sequence[Any]) -> list[str]:
     """What the table's marks mean, for the marks it shows."""
     notes = []
@@ -550,5 +609,6 @@ def markdown_report(rows: Sequence[Any], suite: Sequence[Shape] | None,
     multi = len({(r.device, r.software_hash) for r in rows}) > 1
     cols = ([c for c in ("device", "stack") if c not in columns] if multi else []) + list(columns)
     lines = [markdown_table(rows, cols), ""]
-    lines += [f"- {n}" for n in table_notes(rows) + summary_lines(rows, suite)]
+    lines += [f"- {n}" for n in table_notes(rows) + thin_sweeps(rows)
+              + summary_lines(rows, suite)]
     return "\n".join(lines) + "\n"

@@ -15,7 +15,15 @@ from mla_tune.cli.main import app
 from mla_tune.db import TrialGroup, TrialResult
 from mla_tune.machine.bandwidth import measure_read_bandwidth
 from mla_tune.problem.shapes import Shape
-from mla_tune.reports.table import ci95_halfwidth, geomean, report_rows, suite_summaries, t95
+from mla_tune.reports.table import (
+    THIN_ELSEWHERE,
+    ci95_halfwidth,
+    geomean,
+    report_rows,
+    suite_summaries,
+    t95,
+    thin_sweeps,
+)
 from tests.fixtures.sweep_db import SHAPES, copy_db, swept_db
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,6 +138,43 @@ def test_superseded_winners_are_marked_and_left_out_of_geomeans(store, tmp_path)
     assert f"{rows[0].backend}*" in r.stdout and "* superseded" in r.stdout
     assert "µs over" not in r.stdout
     assert "no current winners (1 superseded winners left out)" in r.stdout
+
+
+def test_thin_sweeps_name_the_shapes_a_family_barely_swept(store, tmp_path):
+    """A family timed at many variants of one bf16 shape and one variant of another is
+    named with that other shape; the fp8 shape, where it never ran, and torch, whose few
+    variants are all it has, are not; timed as widely at both shapes, nothing is named."""
+    copy = copy_db(store, tmp_path / "thin.db")
+    t = copy.trials(shape_key=SHAPES[0].key)[0]
+    wide = Shape.uniform(4, 512, kv_format="bf16")
+
+    def add(shape: Shape, n: int) -> None:
+        for i in range(n):
+            copy.record_trial(
+                TrialGroup(t.device_id, t.software_id, shape.key, "triton", "a" * 16),
+                TrialResult(shape.to_json(), shape.kv_format.value, {"block_n": i}, "ok",
+                            stats={"median_us": 1e6 + i}))
+
+    add(wide, THIN_ELSEWHERE + 1)
+    copy.replace_winner(t.device_id, t.software_id, wide.key, {"triton": "a" * 16},
+                        lambda trials: trials[0])
+    add(SHAPES[0], 1)
+    rows = report_rows(copy)
+    row = next(r for r in rows if r.shape.key == SHAPES[0].key)
+    assert row.family_trials == {"torch": row.counts["ok"] - 1, "triton": 1}
+    assert row.to_json()["family_trials"] == row.family_trials
+    (line,) = thin_sweeps(rows)
+    assert line.startswith("thin sweeps: triton has at most 2 timed trials at 1 shape(s) "
+                           f"({SHAPES[0].label()}: 1)")
+    assert f"up to {THIN_ELSEWHERE + 1}" in line
+    assert thin_sweeps(rows, [r for r in rows if r.shape.key == wide.key]) == []
+    db = copy.url.removeprefix("sqlite:///")
+    r = runner.invoke(app, ["report", "--db", db, "--columns", "shape,families"],
+                      env={"COLUMNS": "250"})
+    assert r.exit_code == 0, r.output
+    assert "thin sweeps: triton" in r.stdout and "triton:1" in r.stdout
+    add(SHAPES[0], THIN_ELSEWHERE)
+    assert thin_sweeps(report_rows(copy)) == []
 
 
 def test_read_bandwidth_is_none_on_cpu():
