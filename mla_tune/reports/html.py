@@ -29,6 +29,7 @@ from mla_tune.reports.table import (
     config_text,
     latest_source_trials,
     suite_summaries,
+    thin_sweeps,
 )
 
 FORMAT_COLORS = {"bf16": "#1f77b4", "fp8": "#d62728", "mxfp4": "#2ca02c"}
@@ -537,6 +538,14 @@ def _ceiling_note(rows: Sequence[ReportRow]) -> str:
             "(<code>bench/read_ceiling.py</code> measures it as sweeps now do).</p>")
 
 
+def _thin_note(rows: Sequence[ReportRow]) -> str:
+    """The shapes a kernel family was barely swept at (thin_sweeps), as the table's notes."""
+    lines = thin_sweeps(rows)
+    if not lines:
+        return ""
+    return "<ul>" + "".join(f'<li class="bad">{_esc(line)}</li>' for line in lines) + "</ul>"
+
+
 def render_html(store: TuningStore, rows: Sequence[ReportRow],
                 suite: Sequence[Shape] | None = None, suite_name: str | None = None) -> str:
     """The whole report as one HTML document: summary, roofline, winners table, and the
@@ -580,7 +589,7 @@ def render_html(store: TuningStore, rows: Sequence[ReportRow],
               _baseline_note(rows),
               '<h2 id="roofline">Roofline</h2>', '<div class="figs">']
     parts += [chart_svg(c) for f in roofline_figures(rows, read_bw) for c in f.charts]
-    parts += ["</div>", '<h2 id="winners">Winners</h2>', _ceiling_note(rows),
+    parts += ["</div>", '<h2 id="winners">Winners</h2>', _ceiling_note(rows), _thin_note(rows),
               _winner_table(rows, multi),
               '<h2 id="knobs">Knobs per shape</h2>',
               "<p>Each point is the fastest correct config with that knob value (every other "

@@ -173,6 +173,9 @@ def test_thin_sweeps_name_the_shapes_a_family_barely_swept(store, tmp_path):
                       env={"COLUMNS": "250"})
     assert r.exit_code == 0, r.output
     assert "thin sweeps: triton" in r.stdout and "triton:1" in r.stdout
+    from mla_tune.reports.html import render_html
+
+    assert "thin sweeps: triton" in render_html(copy, rows)
     add(SHAPES[0], THIN_ELSEWHERE)
     assert thin_sweeps(report_rows(copy)) == []
 
