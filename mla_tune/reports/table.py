@@ -25,8 +25,8 @@ from mla_tune.tuning.runoff import timed_with
 LIBRARY_BACKENDS = ("flashinfer", "aiter")
 THIN_TRIALS = 2
 """A kernel family with at most this many timed trials at a shape, where it has more than
-THIN_ELSEWHERE at another shape of the same device and stack, was barely swept there: its
-best variant for that shape may never have been timed (`thin_sweeps`)."""
+THIN_ELSEWHERE at another shape of the same device and KV format, was barely swept there:
+its best variant for that shape may never have been timed (`thin_sweeps`)."""
 THIN_ELSEWHERE = 10
 ALL_FORMATS = "all"
 # Two-sided 95% Student-t quantiles for 1-9 degrees of freedom; from 10 on the
