@@ -35,23 +35,26 @@ import benchkit
 import probed_kernel
 
 MAX_BLOCKS = 4096
-SLOTS = 48
-"""Per block: the last stamp of phase k (slot k), its total time (16 + k), its passes (32 + k)."""
+PHASES = 16
+"""Phases a kernel can be stamped with (phase indices 0 .. PHASES - 1)."""
+SLOTS = 3 * PHASES
+"""Per block: the last stamp of phase k (slot k), its total time (PHASES + k), its passes
+(2 PHASES + k)."""
 
 
 @dataclass(frozen=True)
 class Family:
     """A CUDA family the script can stamp: its kernel, its family file, its anchors."""
 
+    name: str
     source: Path
-    family_file: Path
     anchors: list[tuple[int, str, str]]
     """(phase, name, text in the kernel with "@@" where the stamp goes); a phase may have
     several anchors: the branches of the macros a variant compiles."""
 
     @property
-    def name(self) -> str:
-        return self.family_file.stem
+    def family_file(self) -> Path:
+        return benchkit.ROOT / "configs" / "backends" / f"{self.name}.toml"
 
     @property
     def phases_name(self) -> str:
@@ -68,8 +71,7 @@ class Family:
 
 CUDA = benchkit.ROOT / "kernels" / "cuda"
 FAMILIES = {
-    "cuda_mma": Family(CUDA / "mla_decode_mma.cu", benchkit.ROOT / "configs" / "backends" /
-                       "cuda_mma.toml", [
+    "cuda_mma": Family("cuda_mma", CUDA / "mla_decode_mma.cu", [
         (0, "start", "if (have < SHARED_NEED) __trap();@@"),
         (1, "query in shared", "@@  // Rows g and g + 8 of the warp's tile"),
         (2, "tile ready", "    const uint8_t* kv_s = raw_s + buf * BN * RAW_STRIDE;\n@@"),
@@ -88,8 +90,7 @@ FAMILIES = {
                             "its shared memory\n@@"),
         (7, "partial written", "@@  if (splits == 1 || !merge) return;"),
     ]),
-    "cuda_wgmma": Family(CUDA / "mla_decode_wgmma.cu", benchkit.ROOT / "configs" / "backends" /
-                         "cuda_wgmma.toml", [
+    "cuda_wgmma": Family("cuda_wgmma", CUDA / "mla_decode_wgmma.cu", [
         (0, "start", "if (have < SHARED_NEED) __trap();@@"),
         (1, "query in shared", "// Q for the wgmma's reads\n  __syncthreads();\n@@"),
         (2, "tile ready", "    const uint8_t* raw = raw_s + buf * BN * RAW_STRIDE;\n@@"),
@@ -104,14 +105,14 @@ PROBE = """
 __device__ unsigned long long mt_probes[{blocks} * {slots}];
 // Thread 0's running totals (shared: the stamps of a cluster merge are in another function).
 __shared__ unsigned long long mt_last_;
-__shared__ unsigned mt_sum_[16], mt_n_[16];
+__shared__ unsigned mt_sum_[{phases}], mt_n_[{phases}];
 #define MT_PROBE(k)                                                                     \\
   do {{                                                                                  \\
     if (threadIdx.x == 0) {{                                                             \\
       unsigned long long g_;                                                            \\
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_));                            \\
       if ((k) == 0) {{                                                                   \\
-        for (int i_ = 0; i_ < 16; ++i_) mt_sum_[i_] = mt_n_[i_] = 0u;                   \\
+        for (int i_ = 0; i_ < {phases}; ++i_) mt_sum_[i_] = mt_n_[i_] = 0u;             \\
       }} else {{                                                                         \\
         mt_sum_[k] += (unsigned)(g_ - mt_last_);                                        \\
       }}                                                                                 \\
@@ -121,8 +122,8 @@ __shared__ unsigned mt_sum_[16], mt_n_[16];
       if (s_ < {blocks}) {{                                                               \\
         unsigned long long* p_ = mt_probes + s_ * {slots};                              \\
         p_[k] = g_;                                                                     \\
-        p_[16 + (k)] = mt_sum_[k];                                                      \\
-        p_[32 + (k)] = mt_n_[k];                                                        \\
+        p_[{phases} + (k)] = mt_sum_[k];                                                \\
+        p_[2 * {phases} + (k)] = mt_n_[k];                                              \\
       }}                                                                                 \\
     }}                                                                                   \\
   }} while (0)
@@ -136,7 +137,7 @@ def patched_source(family: Family, text: str) -> str:
     return probed_kernel.apply_patches(text, [
         *((a.replace("@@", ""), a.replace("@@", f"MT_PROBE({phase});\n"))
           for phase, _, a in family.anchors),
-        (include, include + PROBE.format(blocks=MAX_BLOCKS, slots=SLOTS))])
+        (include, include + PROBE.format(blocks=MAX_BLOCKS, slots=SLOTS, phases=PHASES))])
 
 
 def write_family(family: Family, where: Path) -> Path:
@@ -198,15 +199,15 @@ def profile(family: Family, text: str, runs: int, heads: int) -> None:
         torch.cuda.synchronize()
         blocks = [b for b in stamps(api, ptr, size) if b[0]]
         t0 = min(b[0] for b in blocks)
-        ends.append((max(max(b[:16]) for b in blocks) - t0) / 1e3)
+        ends.append((max(max(b[:PHASES]) for b in blocks) - t0) / 1e3)
         for b in blocks:
             prev = None
-            for k, g in enumerate(b[:16]):
+            for k, g in enumerate(b[:PHASES]):
                 if not g:
                     continue
                 since_start.setdefault(k, []).append((g - t0) / 1e3)
-                total.setdefault(k, []).append(b[16 + k] / 1e3)
-                passes.setdefault(k, []).append(b[32 + k])
+                total.setdefault(k, []).append(b[PHASES + k] / 1e3)
+                passes.setdefault(k, []).append(b[2 * PHASES + k])
                 if prev is not None:
                     since_prev.setdefault(k, []).append((g - prev) / 1e3)
                 prev = g

@@ -19,6 +19,7 @@ calls with the GPU kept busy, of
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -101,11 +102,10 @@ def main() -> None:
     # A server's page-index buffer, longer than the step's pages, passed as a new view each
     # call whose length changes (50 lengths of one bucket; unused entries are never read).
     buf = torch.cat([idx, idx[:64]])
-    views = [buf[:idx.numel() + j] for j in range(50)]
-    turn = iter(range(1 << 62))
+    views = itertools.cycle([buf[:idx.numel() + j] for j in range(50)])
 
     def plan_view() -> None:
-        w.plan(loop.qo, ptr, views[next(turn) % 50], lens, check=False)
+        w.plan(loop.qo, ptr, next(views), lens, check=False)
 
     # As serving_loop.py's server buffers: the step's tables copied into the buffers, a
     # view made, plan, run (only the plan timed); how often the view-only path answered is

@@ -555,25 +555,25 @@ def thin_sweeps(rows: Sequence[ReportRow], shown: Sequence[ReportRow] | None = N
     the same device and KV format; a shape's trials counted over every stack (the
     dispatcher routes by all of them). A winner there may stand only because that family's
     better variants were never timed."""
-    per_shape: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+    per_shape: dict[tuple[str, str, str], Counter[str]] = defaultdict(Counter)
     for r in rows:
-        per_shape[(r.device_hash, r.shape.key)].update(r.family_trials)
-    fmt_of = {(r.device_hash, r.shape.key): r.shape.kv_format.value for r in rows}
+        per_shape[(r.device_hash, r.shape.kv_format.value, r.shape.key)].update(
+            r.family_trials)
     most: dict[tuple[str, str, str], int] = defaultdict(int)
-    for (dev, key), counts in per_shape.items():
+    for (dev, fmt, _), counts in per_shape.items():
         for b, n in counts.items():
-            most[(dev, fmt_of[(dev, key)], b)] = max(most[(dev, fmt_of[(dev, key)], b)], n)
+            most[(dev, fmt, b)] = max(most[(dev, fmt, b)], n)
     thin: dict[str, list[tuple[str, int]]] = defaultdict(list)
     top: dict[str, int] = defaultdict(int)
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[str, str, str]] = set()
     for r in rows if shown is None else shown:
-        here = (r.device_hash, r.shape.key)
+        here = (r.device_hash, r.shape.kv_format.value, r.shape.key)
         if here in seen:
             continue
         seen.add(here)
         for (dev, fmt, b), n_most in most.items():
-            if (dev, fmt) != (r.device_hash, r.shape.kv_format.value) \
-                    or n_most <= THIN_ELSEWHERE or b in LIBRARY_BACKENDS or b == "torch":
+            if (dev, fmt) != here[:2] or n_most <= THIN_ELSEWHERE or b in LIBRARY_BACKENDS \
+                    or b == "torch":
                 continue
             n = per_shape[here][b]
             if n <= THIN_TRIALS:
