@@ -11,7 +11,10 @@ calls with the GPU kept busy, of
 - the route's launch function with the step's pointers (what `run` calls after its checks);
 - the Triton C launcher(s) alone, their argument tuples built beforehand;
 - the launch of an empty Triton kernel (the driver's own cost) and an empty Python call,
-  for scale.
+  for scale;
+- a model's step: one plan, then one run per layer, each layer with its own pool and
+  query (61 layers, DeepSeek-V3's count; the pools views of one buffer at other offsets),
+  per run, with launch graphs and without.
 
     python3 bench/serving_host_time.py --batch 128 --format bf16 --page 64
 """
@@ -33,6 +36,7 @@ from mla_tune.runtime.dispatcher import Dispatcher
 from serving_loop import Loop
 
 BLOCK = 50
+LAYERS = 61
 
 
 def per_call_us(fn, blocks: int) -> float:
@@ -169,6 +173,34 @@ def main() -> None:
     print(f"| plan(check=False), a view made after the tables' copies, timed per call | {us:.2f} |")
     print(f"# the view-only path answered {answered[0]} of {answered[1]} such plans")
     print(f"# graphs captured by run: {route.graphed.captures}")
+    for name, wr in (("launch graphs", w), ("eager launches", eager)):
+        print(f"| a model's step: plan once, run per layer ({LAYERS} layers' pools), "
+              f"{name}, per run | {per_layer_run_us(wr, loop, ptr, idx, lens, a.blocks):.2f} |")
+
+
+def per_layer_run_us(w: MLADecodeWrapper, loop: Loop, ptr: torch.Tensor, idx: torch.Tensor,
+                     lens: torch.Tensor, steps: int) -> float:
+    """Median over `steps` steps of the host time per run of a step that plans once and
+    runs every layer on its own pool and query, the GPU synchronized between steps (a
+    step's launches stay far below the driver's queue)."""
+    vals = loop.cache if loop.fmt == "bf16" else loop.cache[0]
+    n = vals.shape[0]
+    big = vals.new_zeros((n + LAYERS, *vals.shape[1:]))
+    pools: list = [big[i:i + n] for i in range(LAYERS)]
+    if loop.fmt != "bf16":
+        pools = [(p, loop.cache[1]) for p in pools]
+    layers = list(zip([loop.q.clone() for _ in range(LAYERS)], pools))
+    out = []
+    for s in range(steps + 3):  # two steps to capture the layers' graphs, one more to warm
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        w.plan(loop.qo, ptr, idx, lens, check=False)
+        for q, pool in layers:
+            w.run(q, pool)
+        if s >= 3:
+            out.append((time.perf_counter_ns() - t0) / LAYERS / 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(out)
 
 
 if __name__ == "__main__":

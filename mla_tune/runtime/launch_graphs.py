@@ -33,9 +33,11 @@ import torch
 Capture = Callable[[Callable[[], Any]], tuple[Callable[[], None], Any]]
 """Capture a launch callable: (a function that replays it, the callable's result)."""
 
-GRAPHS_PER_RUNNER = 8
+GRAPHS_PER_RUNNER = 128
 """Argument tuples a runner keeps graphs of, and how many recent calls a repeat is looked
-for in (a serving loop reuses one set of buffers, or alternates between a few)."""
+for in: a serving loop reuses one set of buffers, or alternates between a few, and a model
+plans once per step and runs once per layer, each layer with its own pool and query (61
+layers in DeepSeek-V3). A graph of one or two kernels holds no device memory of torch's."""
 
 
 class GraphedLaunch:
@@ -48,7 +50,9 @@ class GraphedLaunch:
         self.capacity = max(1, int(capacity))
         self._capture = capture or functools.partial(cuda_graph_capture, device=device)
         self._graphs: dict[tuple, tuple[Callable[[], None], Any]] = {}
-        self._recent: list[tuple] = []
+        self._recent: dict[tuple, None] = {}
+        """The argument tuples of recent eager calls, oldest first (a dict: O(1) lookups
+        at any capacity)."""
         self.captures = 0
         """Graphs captured so far (each one costs one capture and instantiation)."""
         self.off = ""
@@ -64,10 +68,10 @@ class GraphedLaunch:
         recent = self._recent
         if args not in recent:
             if len(recent) >= self.capacity:
-                del recent[0]
-            recent.append(args)
+                del recent[next(iter(recent))]
+            recent[args] = None
             return self.launch(*args)
-        recent.remove(args)
+        del recent[args]
         if len(self._graphs) >= self.capacity:
             del self._graphs[next(iter(self._graphs))]
         launch = self.launch

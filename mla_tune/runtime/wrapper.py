@@ -42,14 +42,16 @@ whatever tensors later plans bring.
 Launch graphs. On a GPU, most of a step's host time is the driver's launch of each kernel
 (mla_tune/runtime/launch_graphs.py). With `graph_launches` (the default), a `run` whose
 addresses (q, pool, metadata: a loop over graph-static or reused buffers) were those of
-one of the bucket's last 8 runs captures its launches into a graph, and later runs with
-them launch that graph: one driver call for the step's kernels. A run with new addresses
-launches eagerly; a run inside the caller's own graph capture always does; a capture that
-fails turns graphs off for the bucket. Up to 8 graphs per bucket.
+one of the bucket's last 128 eager runs captures its launches into a graph, and later
+runs with them launch that graph: one driver call for the step's kernels. A run with new
+addresses launches eagerly; a run inside the caller's own graph capture always does; a
+capture that fails turns graphs off for the bucket. Up to 128 graphs per bucket: enough
+for a model that plans once per step and runs each layer on its own pool.
 
 Checks. `run` checks `q` and the pool (dtype, shape, device, layout, 16-byte alignment)
-and raises ValueError before any launch (a pool object checked once is not checked again,
-nor a `q` whose storage has not moved: each tensor query costs host time). `plan` checks the
+and raises ValueError before any launch (a pool checked once is not checked again while
+its tensors live, up to 256 pools per bucket, nor a `q` whose storage has not moved: each
+tensor query costs host time). `plan` checks the
 page table in full (indptr monotone and ending at the number of indices, every length >=
 q_len and within its pages, every used page index >= 0 and, at `run`, inside the pool):
 on host tensors for free; device tensors are copied to the host for it, a
@@ -70,6 +72,7 @@ keep.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -104,13 +107,19 @@ def pages_of_class(kv_lo: int, kv_hi: int, batch: int, page_size: int, q_tokens:
     return first, last
 
 
+POOLS_PER_BUCKET = 256
+"""Pools a bucket remembers as checked (a model runs each step once per layer, each layer
+with its own pool: 61 in DeepSeek-V3); past that the record starts afresh."""
+
+
 class _Route:
     """A bucket's runner and the state plans and runs of that bucket share: the wrapper's
     copy buffers (made on first need) with their addresses, the metadata addresses CUDA
-    graphs captured, and the last pool seen with its parts and addresses."""
+    graphs captured, the last pool seen with its parts and addresses, and the pools
+    checked before (by weak reference: the wrapper keeps no pool alive)."""
 
     __slots__ = ("bucket", "runner", "paged", "launch", "graphed", "dummies", "q_shape",
-                 "buffers", "captured", "pool", "pool_parts", "pool_ptrs")
+                 "buffers", "captured", "pool", "pool_parts", "pool_ptrs", "pools")
 
     def __init__(self, bucket: Bucket, runner: BucketRunner, graphs: bool,
                  device: torch.device) -> None:
@@ -127,6 +136,9 @@ class _Route:
         self.pool: Any = None
         self.pool_parts: tuple = ()
         self.pool_ptrs: tuple[int, ...] = ()
+        self.pools: dict[int, tuple[Any, Any, tuple[int, ...]]] = {}
+        """id(the pool's values tensor) -> (weak references to it and to its scale(s),
+        the pool's addresses and page count)."""
 
 
 class MLADecodeWrapper:
@@ -484,8 +496,22 @@ class MLADecodeWrapper:
         return route.paged(q, kv, scale, sc, qo, lens, ptr, idx[:self._nnz], self._max_len)
 
     def _new_pool(self, route: _Route, kv_cache: Any) -> None:
-        """Check (with check_inputs) and record a pool run has not seen before: its parts
-        and addresses (the dummies' where it has no scale or scales), its page count."""
+        """Record the pool of a run whose pool is not the last run's: a pool checked before
+        (the same tensors, alive) is taken as it was; another is checked (with
+        check_inputs) and its parts and addresses (the dummies' where it has no scale or
+        scales) and page count recorded."""
+        bf16 = self.kv_format is KVFormat.BF16
+        if bf16:
+            values, other = kv_cache, None
+        elif isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
+            values, other = kv_cache
+        else:
+            values = other = None
+        known = route.pools.get(id(values))
+        if known is not None and known[0]() is values and (bf16 or known[1]() is other):
+            route.pool_parts = _unpack(self.kv_format, kv_cache)
+            route.pool_ptrs, route.pool = known[2], kv_cache
+            return
         parts = self._pool(kv_cache) if self.check_inputs else _unpack(self.kv_format,
                                                                        kv_cache)
         kv, scale, sc = parts
@@ -499,6 +525,11 @@ class MLADecodeWrapper:
                            d_sc if sc is None else sc.data_ptr(),
                            0 if sc is None else sc.stride(0), kv.shape[0])
         route.pool_parts, route.pool = parts, kv_cache
+        if isinstance(values, torch.Tensor) and (bf16 or isinstance(other, torch.Tensor)):
+            if len(route.pools) >= POOLS_PER_BUCKET:
+                route.pools.clear()
+            route.pools[id(values)] = (weakref.ref(values),
+                                       None if bf16 else weakref.ref(other), route.pool_ptrs)
 
     def _bad_q(self, q: Any, route: _Route) -> None:
         want = (route.bucket.batch * self.q_len, self.heads, QK_HEAD_DIM)

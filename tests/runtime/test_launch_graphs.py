@@ -64,6 +64,18 @@ def test_a_cycle_longer_than_the_window_never_captures() -> None:
     assert g.captures == 1
 
 
+def test_a_models_layers_each_replay_their_own_graph_from_the_second_step() -> None:
+    """Plan once per step, run once per layer with the layer's pool and query: 61
+    argument tuples in turn (DeepSeek-V3's layers) under the default capacity."""
+    r = Recorder()
+    g = GraphedLaunch(r.launch, torch.device("cpu"), capture=r.capture)
+    layers = [(0x1000 * n, 0x10) for n in range(61)]
+    for step in range(3):
+        assert [g(*a) for a in layers] == [f"out{a}" for a in layers]
+        assert g.captures == (0 if step == 0 else 61)
+    assert len(r.eager) == 61 and len(r.replayed) == 2 * 61
+
+
 def test_graphs_are_bounded_oldest_dropped_first() -> None:
     r = Recorder()
     g = GraphedLaunch(r.launch, torch.device("cpu"), capacity=2, capture=r.capture)

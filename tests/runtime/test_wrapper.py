@@ -256,6 +256,39 @@ def test_bad_pools_and_queries_are_refused() -> None:
         MLADecodeWrapper("bf16", 16, 1, 48, "cpu", dispatcher=Dispatcher([], "cpu"))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+def test_one_plan_runs_every_layer_on_its_own_pool(cpu_dispatcher: Dispatcher,
+                                                   fmt: str) -> None:
+    """A model plans once per step and runs once per layer, each layer on its own pool:
+    every run reads its own pool, and each pool is checked once while it lives."""
+    lens = (37, 70)
+    layers = []
+    for seed in (3, 4, 5):  # the same page table, other values
+        q, kv_data, qo, kvp, config = generate_input(Shape(2, lens), seed=seed)
+        cache, idx, ptr = paged_pool(kv_data, lens, 16, fmt, seed=1)
+        ref = mla_decode_reference(q, kv_data, qo, kvp, config, kv_format=fmt)
+        layers.append((q, cache, ref))
+    w = MLADecodeWrapper(fmt, 16, 1, 16, "cpu", dispatcher=cpu_dispatcher)
+    checked = []
+    check = w._pool
+    w._pool = lambda kv_cache: checked.append(kv_cache) or check(kv_cache)
+    w.plan(qo, ptr, idx, torch.tensor(lens, dtype=torch.int32))
+    for _ in range(2):  # two steps
+        for q, cache, ref in layers:
+            assert float((w.run(q, cache).float() - ref).abs().max()) < 2e-2
+    assert len(checked) == 3
+    q, cache, _ = layers.pop()
+    bad = cache.view(-1, 8, 576) if fmt == "bf16" else (cache[0].view(-1, 8, cache[0].shape[-1]),
+                                                          cache[1])
+    del cache
+    with pytest.raises(ValueError, match=r"\(num_pages, 16, "):
+        w.run(q, bad)  # a pool never checked is checked, whatever ids it reuses
+    if fmt != "bf16":  # the same values with another scale tensor: checked again
+        q, cache, ref = layers[0]
+        w.run(q, (cache[0], cache[1].clone()))
+        assert len(checked) == 5
+
+
 def test_triton_wrapper_and_planning_kernel_under_the_interpreter() -> None:
     pytest.importorskip("triton")
     from tests.compiled_child import interpreted_rows
@@ -382,6 +415,35 @@ def test_graph_launches_replay_what_eager_launches_compute() -> None:
     torch.cuda.synchronize()
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="launch graphs need a CUDA GPU")
+def test_each_layer_replays_its_own_launch_graph() -> None:
+    """One plan per step, one run per layer on the layer's own pool and query (steps
+    written into the same tensors): each layer captures its graph on its second step, and
+    every output equals a wrapper launching eagerly."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = _ServerBuffers(_gpu_steps(dev), dev)
+    layers = [(buf.q + 0.5 * n, buf.pool * (1 + n)) for n in range(3)]
+    outs = []
+    for graphs in (True, False):
+        w = MLADecodeWrapper("bf16", 16, 1, 16, dev, dispatcher=Dispatcher([], dev),
+                             graph_launches=graphs)
+        got = []
+        for s in (0, 1, 2, 3):
+            idx = buf.write(s)
+            w.plan(buf.qo, buf.ptr, idx, buf.lens, check=False)
+            for n, (q, pool) in enumerate(layers):
+                q.copy_(buf.q + 0.5 * n)
+                pool.copy_(buf.pool * (1 + n))
+                got.append(w.run(q, pool).clone())
+        if graphs:
+            assert w._route.graphed.captures == len(layers)
+        outs.append(got)
+    torch.cuda.synchronize()
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert not torch.equal(outs[0][0], outs[0][1])  # the layers' outputs differ
 
 
 # -- the interpreter child ---------------------------------------------------------------
