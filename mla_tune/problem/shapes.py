@@ -128,9 +128,12 @@ class Shape:
         return self._key
 
     def label(self) -> str:
-        """Short human label in the CLI notation, e.g. `256x8192 bf16 h16 q1`."""
+        """Short human label in the CLI notation, e.g. `256x8192 bf16 h16 q1`, with the
+        page size where it is above 1 (`32x~4179r fp8 h16 q1 p64`): two shapes that differ
+        only there are two rows of a report."""
         kv = f"~{self.total_kv // self.batch}r" if self.is_ragged else str(self.kv_lens[0])
-        return f"{self.batch}x{kv} {self.kv_format.value} h{self.heads} q{self.q_len}"
+        page = f" p{self.page_size}" if self.page_size > 1 else ""
+        return f"{self.batch}x{kv} {self.kv_format.value} h{self.heads} q{self.q_len}{page}"
 
     def with_format(self, kv_format: KVFormat | str) -> "Shape":
         return Shape(self.batch, self.kv_lens, self.q_len, self.heads, KVFormat(kv_format),

@@ -398,7 +398,7 @@ class BucketRouter:
             for w in sorted(d._uniform.get(fam_key, ()), key=distance):
                 s = w.winner.shape
                 add(w.winner.backend, w.config, "nearest",
-                    f"variant of tuned shape {s.label()} p{s.page_size} (log distance "
+                    f"variant of tuned shape {s.label()}{'' if s.page_size > 1 else ' p1'} (log distance "
                     f"{distance(w)[0]:.2f}, {w.winner.median_us:.1f} us there)",
                     w.winner.median_us, s)
         for fallback in (d._heuristic(rep), d._last_resort(rep)):

@@ -17,6 +17,13 @@ def test_parse_shape_and_key_are_stable():
     assert parse_shape(" 256X8192 ", kv_format="fp8", heads=32, q_len=4).key == s.key
 
 
+def test_labels_tell_page_sizes_apart():
+    assert parse_shape("256x8192", kv_format="fp8").label() == "256x8192 fp8 h16 q1"
+    paged = Shape(2, (100, 300), kv_format=KVFormat.FP8, page_size=64)
+    assert paged.label() == "2x~200r fp8 h16 q1 p64"
+    assert paged.label() != Shape(2, (100, 300), kv_format=KVFormat.FP8).label()
+
+
 def test_ragged_key_depends_on_lengths_and_round_trips():
     a = Shape(3, (5, 9, 7))
     b = Shape(3, (5, 9, 8))
