@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=40)
     ap.add_argument("--db", default="shipped")
+    ap.add_argument("--layers", type=int, default=LAYERS,
+                    help="layers of the model's step (each its own pool and query)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("serving_host_time.py times host work around GPU launches: no CUDA device")
@@ -174,31 +176,33 @@ def main() -> None:
     print(f"# the view-only path answered {answered[0]} of {answered[1]} such plans")
     print(f"# graphs captured by run: {route.graphed.captures}")
     for name, wr in (("launch graphs", w), ("eager launches", eager)):
-        print(f"| a model's step: plan once, run per layer ({LAYERS} layers' pools), "
-              f"{name}, per run | {per_layer_run_us(wr, loop, ptr, idx, lens, a.blocks):.2f} |")
+        us = per_layer_run_us(wr, loop, ptr, idx, lens, a.blocks, a.layers)
+        print(f"| a model's step: plan once, run per layer ({a.layers} layers' pools), "
+              f"{name}, per run | {us:.2f} |")
+    print(f"# graphs captured by run, the model's steps included: {route.graphed.captures}")
 
 
 def per_layer_run_us(w: MLADecodeWrapper, loop: Loop, ptr: torch.Tensor, idx: torch.Tensor,
-                     lens: torch.Tensor, steps: int) -> float:
+                     lens: torch.Tensor, steps: int, layers: int) -> float:
     """Median over `steps` steps of the host time per run of a step that plans once and
     runs every layer on its own pool and query, the GPU synchronized between steps (a
     step's launches stay far below the driver's queue)."""
     vals = loop.cache if loop.fmt == "bf16" else loop.cache[0]
     n = vals.shape[0]
-    big = vals.new_zeros((n + LAYERS, *vals.shape[1:]))
-    pools: list = [big[i:i + n] for i in range(LAYERS)]
+    big = vals.new_zeros((n + layers, *vals.shape[1:]))
+    pools: list = [big[i:i + n] for i in range(layers)]
     if loop.fmt != "bf16":
         pools = [(p, loop.cache[1]) for p in pools]
-    layers = list(zip([loop.q.clone() for _ in range(LAYERS)], pools))
+    model = list(zip([loop.q.clone() for _ in range(layers)], pools))
     out = []
     for s in range(steps + 3):  # two steps to capture the layers' graphs, one more to warm
         torch.cuda.synchronize()
         t0 = time.perf_counter_ns()
         w.plan(loop.qo, ptr, idx, lens, check=False)
-        for q, pool in layers:
+        for q, pool in model:
             w.run(q, pool)
         if s >= 3:
-            out.append((time.perf_counter_ns() - t0) / LAYERS / 1e3)
+            out.append((time.perf_counter_ns() - t0) / layers / 1e3)
     torch.cuda.synchronize()
     return statistics.median(out)
 
