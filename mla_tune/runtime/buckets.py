@@ -397,8 +397,9 @@ class BucketRouter:
             fam_key = (bucket.kv_format, bucket.heads, bucket.q_len, page)
             for w in sorted(d._uniform.get(fam_key, ()), key=distance):
                 s = w.winner.shape
+                tuned = s.label() + ("" if s.page_size > 1 else " p1")
                 add(w.winner.backend, w.config, "nearest",
-                    f"variant of tuned shape {s.label()}{'' if s.page_size > 1 else ' p1'} (log distance "
+                    f"variant of tuned shape {tuned} (log distance "
                     f"{distance(w)[0]:.2f}, {w.winner.median_us:.1f} us there)",
                     w.winner.median_us, s)
         for fallback in (d._heuristic(rep), d._last_resort(rep)):

@@ -116,7 +116,7 @@ class _Route:
     """A bucket's runner and the state plans and runs of that bucket share: the wrapper's
     copy buffers (made on first need) with their addresses, the metadata addresses CUDA
     graphs captured, the last pool seen with its parts and addresses, and the pools
-    checked before (by weak reference: the wrapper keeps no pool alive)."""
+    checked before (by weak reference: that record keeps no pool alive)."""
 
     __slots__ = ("bucket", "runner", "paged", "launch", "graphed", "dummies", "q_shape",
                  "buffers", "captured", "pool", "pool_parts", "pool_ptrs", "pools")
