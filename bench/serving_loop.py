@@ -132,6 +132,37 @@ class Loop:
         return round(sum(self.tables[self.steps // 2][0]) / self.batch)
 
 
+class ServerBuffers:
+    """A server's persistent metadata tensors for a loop, sized for its last (largest)
+    step; each step's tables are written into them, the page indices passed as a view of
+    their buffer as long as the step's pages (a new object at the same address)."""
+
+    def __init__(self, loop: Loop) -> None:
+        _, _, (ptr, idx, lens) = loop.tables[loop.steps - 1]
+        self.loop = loop
+        self.ptr, self.idx, self.lens = ptr.clone(), torch.zeros_like(idx), lens.clone()
+
+    def fill(self, s: int) -> torch.Tensor:
+        """Step s's tables written into the buffers; the view of the page indices."""
+        _, _, (ptr, idx, lens) = self.loop.tables[s]
+        self.ptr.copy_(ptr)
+        self.idx[:idx.numel()].copy_(idx)
+        self.lens.copy_(lens)
+        return self.idx[:idx.numel()]
+
+    def timed_step(self, w: MLADecodeWrapper, s: int) -> tuple[float, float, torch.Tensor]:
+        """Step s through `w` as a server runs it: the tables written (untimed), then
+        `plan(check=False)` and `run`, each timed: (plan µs, run µs, output)."""
+        loop = self.loop
+        view = self.fill(s)
+        t0 = time.perf_counter_ns()
+        w.plan(loop.qo, self.ptr, view, self.lens, check=False)
+        t1 = time.perf_counter_ns()
+        out = w.run(loop.q, loop.cache)
+        t2 = time.perf_counter_ns()
+        return (t1 - t0) / 1e3, (t2 - t1) / 1e3, out
+
+
 def _cumsum(xs: list[int]) -> list[int]:
     out, t = [], 0
     for x in xs:
@@ -304,22 +335,8 @@ def run_loop(loop: Loop, disp: Dispatcher, fi_ok: bool, explore: bool) -> dict[s
     # (A wrapper of its own: after the capture, plans of that bucket must bring those
     # tensors.)
     wd = MLADecodeWrapper(loop.fmt, 16, 1, loop.page, dev, dispatcher=disp)
-    _, _, (ptr_l, idx_l, lens_l) = loop.tables[steps - 1]
-    ptr_b, idx_b, lens_b = ptr_l.clone(), torch.zeros_like(idx_l), lens_l.clone()
-
-    def fill(s: int) -> torch.Tensor:
-        """Step s's tables written into the buffers (as a server's persistent ones); the
-        server's view of its page-index buffer (same address every step)."""
-        _, _, (ptr, idx, lens) = loop.tables[s]
-        ptr_b.copy_(ptr)
-        idx_b[:idx.numel()].copy_(idx)
-        lens_b.copy_(lens)
-        return idx_b[:idx.numel()]
-
-    def write(s: int) -> None:
-        wd.plan(loop.qo, ptr_b, fill(s), lens_b, check=False)
-
-    write(0)
+    bufs = ServerBuffers(loop)
+    wd.plan(loop.qo, bufs.ptr, bufs.fill(0), bufs.lens, check=False)
     wd.run(loop.q, loop.cache)  # warm
     torch.cuda.synchronize()
     captured = wd.bucket
@@ -328,9 +345,9 @@ def run_loop(loop: Loop, disp: Dispatcher, fi_ok: bool, explore: bool) -> dict[s
         o = wd.run(loop.q, loop.cache)
     replays, t_host = [], []
     for s in range(steps):
-        idx_v = fill(s)
+        idx_v = bufs.fill(s)
         t0 = time.perf_counter_ns()
-        wd.plan(loop.qo, ptr_b, idx_v, lens_b, check=False)
+        wd.plan(loop.qo, bufs.ptr, idx_v, bufs.lens, check=False)
         if wd.bucket == captured:
             g.replay()
             t_host.append((time.perf_counter_ns() - t0) / 1e3)
@@ -349,15 +366,10 @@ def run_loop(loop: Loop, disp: Dispatcher, fi_ok: bool, explore: bool) -> dict[s
     outs, t_plan, t_host = [], [], []
     for rep in range(2):
         for s in range(steps):
-            idx_v = fill(s)
-            t0 = time.perf_counter_ns()
-            ws.plan(loop.qo, ptr_b, idx_v, lens_b, check=False)
-            t1 = time.perf_counter_ns()
-            o = ws.run(loop.q, loop.cache)
-            t2 = time.perf_counter_ns()
+            t_p, t_r, o = bufs.timed_step(ws, s)
             if rep:
-                t_plan.append((t1 - t0) / 1e3)
-                t_host.append((t2 - t0) / 1e3)
+                t_plan.append(t_p)
+                t_host.append(t_p + t_r)
                 outs.append(o.clone())
     torch.cuda.synchronize()
     r["buffers_equal"] = all(torch.equal(out, eager[s]) for s, out in enumerate(outs))

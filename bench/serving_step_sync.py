@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 
 import benchkit  # noqa: F401 - refuses to run against another checkout
 from mla_tune import MLADecodeWrapper
 from mla_tune.runtime.dispatcher import Dispatcher
-from serving_loop import Loop
+from serving_loop import Loop, ServerBuffers
 
 MODES = ("equal", "sync", "none", "equal", "none")
 
@@ -51,21 +50,9 @@ def main() -> None:
         batch, page = int(batch), int(page)
         disp = Dispatcher.from_db(a.db, dev, kv_format=fmt, check_inputs=False)
         loop = Loop(batch, fmt, page, a.steps, 300, 8000, 0, dev)
-        _, _, (ptr_l, idx_l, lens_l) = loop.tables[a.steps - 1]
-        ptr_b, idx_b, lens_b = ptr_l.clone(), torch.zeros_like(idx_l), lens_l.clone()
-
-        def fill(s: int) -> torch.Tensor:
-            _, _, (ptr, idx, lens) = loop.tables[s]
-            ptr_b.copy_(ptr)
-            idx_b[:idx.numel()].copy_(idx)
-            lens_b.copy_(lens)
-            return idx_b[:idx.numel()]
-
+        bufs = ServerBuffers(loop)
         w = MLADecodeWrapper(fmt, 16, 1, page, dev, dispatcher=disp)
-        eager = []
-        for s in range(a.steps):
-            w.plan(loop.qo, ptr_b, fill(s), lens_b, check=False)
-            eager.append(w.run(loop.q, loop.cache).clone())
+        eager = [bufs.timed_step(w, s)[2].clone() for s in range(a.steps)]
         torch.cuda.synchronize()
         view_only = w._plan_new_indices
         answered = [0, 0]
@@ -82,16 +69,11 @@ def main() -> None:
             answered[:] = [0, 0]
             for rep in range(3):
                 for s in range(a.steps):
-                    v = fill(s)
-                    t0 = time.perf_counter_ns()
-                    w.plan(loop.qo, ptr_b, v, lens_b, check=False)
-                    t1 = time.perf_counter_ns()
-                    out = w.run(loop.q, loop.cache)
-                    t2 = time.perf_counter_ns()
+                    t_p, t_r, out = bufs.timed_step(w, s)
                     if rep:
-                        t_plan.append((t1 - t0) / 1e3)
-                        t_run.append((t2 - t1) / 1e3)
-                        t_all.append((t2 - t0) / 1e3)
+                        t_plan.append(t_p)
+                        t_run.append(t_r)
+                        t_all.append(t_p + t_r)
                     if mode == "equal":
                         if not torch.equal(out, eager[s]):
                             sys.exit(f"{spec} step {s}: output differs from eager")
