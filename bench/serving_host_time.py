@@ -91,11 +91,12 @@ def main() -> None:
     launch, merge = launcher._raw
     stream = launcher._stream(launcher._dev)
     args1 = (*launcher._head1, stream, *launcher._fix1, q_p, kv_p, kv_p, kv_p, scale_p, sc_p,
-             sc_stride, qo_p, lens_p, idx_p, ptr_p, *launcher._mid1, *launcher._tail1)
+             sc_stride, qo_p, lens_p, idx_p, ptr_p, launcher.page_shift, launcher._out_ptr,
+             *launcher._mid1, *launcher._tail1)
     launches = [lambda: launch(*args1)]
     if merge is not None:
-        launch2, head2, fix2, rest2 = merge
-        args2 = (*head2, stream, *fix2, qo_p, lens_p, *rest2)
+        launch2, head2, fix2, parts2, rest2 = merge
+        args2 = (*head2, stream, *fix2, qo_p, lens_p, *parts2, launcher._out_ptr, *rest2)
         launches.append(lambda: launch2(*args2))
 
     md = empty.metadata

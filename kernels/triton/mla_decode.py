@@ -1547,9 +1547,10 @@ class BalancedLauncher:
         self._head1 = (g[0], g[1], g[2])
         self._fix1 = (k1.function, md.launch_cooperative_grid, md.launch_pdl, scratch, None,
                       k1.packed_metadata, None, None, None)
-        self._mid1 = (self.page_shift, self.out.data_ptr(), self.part_o.data_ptr(),
-                      self.part_lse.data_ptr(), self.counters.data_ptr(), self.heads,
-                      self.stride, self.programs, self.qk_scale, self.fast)
+        self._out_ptr = self.out.data_ptr()
+        self._mid1 = (self.part_o.data_ptr(), self.part_lse.data_ptr(),
+                      self.counters.data_ptr(), self.heads, self.stride, self.programs,
+                      self.qk_scale, self.fast)
         self._tail1 = tuple(self.constexprs.values()) + (self.batch, self.seg_cost)
         merge = None
         if self.separate_merge:
@@ -1559,8 +1560,8 @@ class BalancedLauncher:
             merge = (_c_launch(k2.run), (mg[0], mg[1], mg[2]),
                      (k2.function, m2.launch_cooperative_grid, m2.launch_pdl, None, None,
                       k2.packed_metadata, None, None, None),
-                     (self.part_o.data_ptr(), self.part_lse.data_ptr(), self.out.data_ptr(),
-                      self.heads, self.stride, self.programs, self.cfg.block_m,
+                     (self.part_o.data_ptr(), self.part_lse.data_ptr()),
+                     (self.heads, self.stride, self.programs, self.cfg.block_m,
                       self.cfg.block_n, self.merge_opts["PDL"], self.sched, self.batch_p2,
                       self.batch, self.seg_cost))
         self._raw = (_c_launch(k1.run), merge)
@@ -1569,12 +1570,14 @@ class BalancedLauncher:
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
                  kv_sc: torch.Tensor | None, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                  page_indptr: torch.Tensor | None = None,
-                 page_idx: torch.Tensor | None = None) -> torch.Tensor:
+                 page_idx: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         """Run the variant. SCHED_TOKENS: `kv` the contiguous cache ((N, 1, 576) bf16/fp8,
         (N, 1, 288) uint8 MXFP4), `kv_indptr` cumulative tokens. SCHED_PAGED: `kv` the pool
         ((pages, page_size, 576) or (pages, page_size, 288)), `kv_indptr` the lengths,
         `page_indptr`/`page_idx` the page table (int32). `kv_scale`: fp8 scale (1,);
-        `kv_sc`: MXFP4 scale rows."""
+        `kv_sc`: MXFP4 scale rows. `out`: a contiguous bf16 (batch x q_len, heads, 512)
+        tensor to write the output into (returned), else the launcher's own buffer."""
         if kv_sc is None:
             kv_sc, sc_stride = self.dummy_u8, 0
         else:
@@ -1582,31 +1585,42 @@ class BalancedLauncher:
         scale = self.dummy_f32 if kv_scale is None else kv_scale
         if page_indptr is None:
             page_indptr = page_idx = self.dummy_i32
+        if out is None:
+            out = self.out
+        elif out.dtype != torch.bfloat16 or out.shape != self.out.shape \
+                or not out.is_contiguous() or out.device != self.device:
+            raise ValueError(f"out must be a contiguous bfloat16 tensor of shape "
+                             f"{tuple(self.out.shape)} on {self.device}; got {out.dtype} "
+                             f"{tuple(out.shape)} on {out.device}")
         if self._raw is None:
             return self._call_jit(q, kv, scale, kv_sc, sc_stride, qo_indptr, kv_indptr,
-                                  page_indptr, page_idx)
+                                  page_indptr, page_idx, out)
         ptrs = (q.data_ptr(), kv.data_ptr(), scale.data_ptr(), kv_sc.data_ptr(),
                 qo_indptr.data_ptr(), kv_indptr.data_ptr(), page_idx.data_ptr(),
-                page_indptr.data_ptr())
-        if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5] | ptrs[6] | ptrs[7]) & 15:
+                page_indptr.data_ptr(), out.data_ptr())
+        if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5] | ptrs[6] | ptrs[7]
+                | ptrs[8]) & 15:
             raise ValueError("every tensor of a call must be 16-byte aligned (the kernels are "
                              "compiled for it); got addresses "
                              + ", ".join(f"{p:#x}" for p in ptrs))
-        return self._launch_ptrs(ptrs[0], ptrs[1], ptrs[2], ptrs[3], sc_stride, ptrs[4],
-                                 ptrs[5], ptrs[6], ptrs[7])
+        self._launch_ptrs(ptrs[0], ptrs[1], ptrs[2], ptrs[3], sc_stride, ptrs[4], ptrs[5],
+                          ptrs[6], ptrs[7], ptrs[8])
+        return out
 
     def _launch_ptrs(self, q: int, kv: int, scale: int, sc: int, sc_stride: int, qo: int,
-                     kvp: int, page_idx: int, page_indptr: int) -> torch.Tensor:
+                     kvp: int, page_idx: int, page_indptr: int, out: int = 0) -> torch.Tensor:
         """The launch(es) of one call from its pointers (16-byte aligned, unchecked); the
         dummies' pointers where a call has no scale, scales or page table
-        (`dummy_ptrs`)."""
+        (`dummy_ptrs`). `out`: the address to write the output at (0: the launcher's own
+        buffer, which is returned either way)."""
         launch, merge = self._raw  # type: ignore[misc]
         stream = self._stream(self._dev)
+        out = out or self._out_ptr
         launch(*self._head1, stream, *self._fix1, q, kv, kv, kv, scale, sc, sc_stride, qo, kvp,
-               page_idx, page_indptr, *self._mid1, *self._tail1)
+               page_idx, page_indptr, self.page_shift, out, *self._mid1, *self._tail1)
         if merge is not None:
-            launch2, head2, fix2, rest2 = merge
-            launch2(*head2, stream, *fix2, qo, kvp, *rest2)
+            launch2, head2, fix2, parts2, rest2 = merge
+            launch2(*head2, stream, *fix2, qo, kvp, *parts2, out, *rest2)
         return self.out
 
     @property
@@ -1616,26 +1630,27 @@ class BalancedLauncher:
 
     def _call_jit(self, q: torch.Tensor, kv: torch.Tensor, scale: torch.Tensor,
                   sc: torch.Tensor, sc_stride: int, qo: torch.Tensor, kvp: torch.Tensor,
-                  page_indptr: torch.Tensor, page_idx: torch.Tensor) -> torch.Tensor:
+                  page_indptr: torch.Tensor, page_idx: torch.Tensor, out: torch.Tensor
+                  ) -> torch.Tensor:
         """The Triton launch path (the interpreter)."""
         c = self.cfg
         token = _allocation._allocator.set(self._scratch_for) if self.kernel_desc else None
         try:
             mla_decode_kernel[self.grid](
                 q, kv, kv, kv, scale, sc, sc_stride, qo, kvp, page_idx, page_indptr,
-                self.page_shift, self.out, self.part_o, self.part_lse, self.counters,
+                self.page_shift, out, self.part_o, self.part_lse, self.counters,
                 self.heads, self.stride, self.programs, self.qk_scale, self.fast,
                 **self.constexprs, batch=self.batch, seg_cost=self.seg_cost,
                 num_warps=c.num_warps, num_stages=c.num_stages)
             if self.separate_merge:
                 mla_merge_kernel[self.merge_grid](qo, kvp, self.part_o, self.part_lse,
-                                                  self.out, self.heads, self.stride,
+                                                  out, self.heads, self.stride,
                                                   self.programs, batch=self.batch,
                                                   seg_cost=self.seg_cost, **self.merge_opts)
         finally:
             if token is not None:
                 _allocation._allocator.reset(token)
-        return self.out
+        return out
 
     def _scratch_for(self, size: int, alignment: int, stream: int | None) -> torch.Tensor:
         """Triton's allocator protocol, for device-made descriptors' scratch (the Triton

@@ -162,11 +162,12 @@ class BucketRunner(ABC):
     """A built variant serving any lengths of its bucket. Contiguous: `(q, kv, kv_scale,
     kv_sc, qo_indptr, kv_indptr, max_len) -> out`, `kv_indptr` cumulative tokens. Paged
     (built with `paged=True`): `paged(q, pool, kv_scale, kv_sc, qo_indptr, kv_lens,
-    page_indptr, page_idx, max_len) -> out`, FlashInfer's metadata as a server holds it:
-    int32 tensors on the device, sequence b's pages `page_idx[page_indptr[b]:
+    page_indptr, page_idx, max_len, out=None) -> out`, FlashInfer's metadata as a server
+    holds it: int32 tensors on the device, sequence b's pages `page_idx[page_indptr[b]:
     page_indptr[b + 1]]`, its length `kv_lens[b]`. `max_len` is a host bound on the
     longest sequence (the torch build pads to it; the Triton build ignores it). Returns the
-    runner's own output buffer."""
+    runner's own output buffer, or the paged call's `out` (a contiguous bf16 (batch x q_len,
+    heads, 512) tensor of the caller's) written in place."""
 
     def __init__(self, decision: "Decision", batch: int, q_len: int, heads: int,
                  paged: bool) -> None:
@@ -183,7 +184,8 @@ class BucketRunner(ABC):
     @abstractmethod
     def paged(self, q: torch.Tensor, pool: torch.Tensor, kv_scale: torch.Tensor | None,
               kv_sc: torch.Tensor | None, qo_indptr: torch.Tensor, kv_lens: torch.Tensor,
-              page_indptr: torch.Tensor, page_idx: torch.Tensor, max_len: int) -> torch.Tensor:
+              page_indptr: torch.Tensor, page_idx: torch.Tensor, max_len: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode attention of one paged call (class docstring)."""
 
 
@@ -210,9 +212,10 @@ class _TritonBucket(BucketRunner):
 
     def paged(self, q: torch.Tensor, pool: torch.Tensor, kv_scale: torch.Tensor | None,
               kv_sc: torch.Tensor | None, qo_indptr: torch.Tensor, kv_lens: torch.Tensor,
-              page_indptr: torch.Tensor, page_idx: torch.Tensor, max_len: int) -> torch.Tensor:
+              page_indptr: torch.Tensor, page_idx: torch.Tensor, max_len: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
         return self.launcher(q, pool, kv_scale, kv_sc, qo_indptr, kv_lens, page_indptr,
-                             page_idx)
+                             page_idx, out)
 
 
 class _TorchBucket(BucketRunner):
@@ -240,13 +243,15 @@ class _TorchBucket(BucketRunner):
 
     def paged(self, q: torch.Tensor, pool: torch.Tensor, kv_scale: torch.Tensor | None,
               kv_sc: torch.Tensor | None, qo_indptr: torch.Tensor, kv_lens: torch.Tensor,
-              page_indptr: torch.Tensor, page_idx: torch.Tensor, max_len: int) -> torch.Tensor:
+              page_indptr: torch.Tensor, page_idx: torch.Tensor, max_len: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
         t = torch.arange(max(int(max_len), 1), device=q.device)
         idx = page_idx.to(torch.long)
         slot = page_indptr[:-1].to(torch.long)[:, None] + (t >> self.page_shift)
         slot = slot.clamp(0, idx.numel() - 1)
         phys = (idx[slot] << self.page_shift) + (t & ((1 << self.page_shift) - 1))
-        return self._attend(q, pool, kv_scale, kv_sc, kv_lens.to(torch.long), phys, t)
+        o = self._attend(q, pool, kv_scale, kv_sc, kv_lens.to(torch.long), phys, t)
+        return o if out is None else out.copy_(o)
 
     def _attend(self, q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor | None,
                 kv_sc: torch.Tensor | None, lens: torch.Tensor, phys: torch.Tensor,

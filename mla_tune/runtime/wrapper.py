@@ -64,9 +64,13 @@ kv_indptr and a new kv_indices (a view of a page-index buffer as long as the ste
 only the new tensor is queried, and its page count only compared with the range of counts
 that stay in the last plan's bucket (`pages_of_class`). It trusts that those tensors kept
 their shape and dtype: after an in-place change of their metadata (`resize_`, `set_`),
-plan with check=True or with new tensors. The returned output
-is the runner's own buffer, overwritten by the next `run` of its bucket: copy what you
-keep.
+plan with check=True or with new tensors.
+
+Output. `run(q, kv_cache, out=o)` writes into `o`, a contiguous bf16 `(total_q, H, 512)`
+tensor of the caller's (checked once while its storage stays put, as `q` is): a model's
+layers each keep their own output, with no copy launch. Without `out`, the returned
+tensor is the runner's own buffer, overwritten by the next `run` of its bucket: copy what
+you keep.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ from typing import Any
 
 import torch
 
-from mla_tune.problem.shapes import MAX_Q_LEN, QK_HEAD_DIM, KVFormat
+from mla_tune.problem.shapes import MAX_Q_LEN, QK_HEAD_DIM, V_HEAD_DIM, KVFormat
 from mla_tune.runtime.buckets import Bucket, BucketEdges, BucketRouter, BucketRunner, router_for
 from mla_tune.runtime.launch_graphs import GraphedLaunch
 
@@ -119,7 +123,7 @@ class _Route:
     checked before (by weak reference: that record keeps no pool alive)."""
 
     __slots__ = ("bucket", "runner", "paged", "launch", "graphed", "dummies", "q_shape",
-                 "buffers", "captured", "pool", "pool_parts", "pool_ptrs", "pools")
+                 "o_shape", "buffers", "captured", "pool", "pool_parts", "pool_ptrs", "pools")
 
     def __init__(self, bucket: Bucket, runner: BucketRunner, graphs: bool,
                  device: torch.device) -> None:
@@ -131,6 +135,7 @@ class _Route:
             if graphs and self.launch is not None else None
         self.dummies = launcher.dummy_ptrs if self.launch is not None else (0, 0, 0)
         self.q_shape = torch.Size((bucket.batch * bucket.q_len, bucket.heads, QK_HEAD_DIM))
+        self.o_shape = torch.Size((bucket.batch * bucket.q_len, bucket.heads, V_HEAD_DIM))
         self.buffers: dict[int, tuple[tuple[torch.Tensor, ...], tuple[int, ...]]] = {}
         self.captured: set[tuple[int, ...]] = set()
         self.pool: Any = None
@@ -198,6 +203,8 @@ class MLADecodeWrapper:
         self._max_page = -1
         self._q: Any = None
         self._q_ptr = 0
+        self._o: Any = None
+        self._o_ptr = 0
         self._plan_kernel: Any = False
         self._kv_class = self.router.edges.kv_class
         self._seen: tuple[torch.Tensor, ...] = ()
@@ -457,9 +464,11 @@ class MLADecodeWrapper:
             t = self._aranges[key] = t if on_host else t.to(self.device)
         return t
 
-    def run(self, q: torch.Tensor, kv_cache: Any) -> torch.Tensor:
-        """Decode attention of the planned batch: `(total_q, H, 512)` bf16 (the runner's
-        buffer; module docstring)."""
+    def run(self, q: torch.Tensor, kv_cache: Any, *, out: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """Decode attention of the planned batch: `(total_q, H, 512)` bf16. Written into
+        `out` where given (a contiguous bf16 tensor of that shape: a layer's own output,
+        FlashInfer's `out=`), else into the runner's buffer (module docstring)."""
         route = self._route
         if route is None:
             raise ValueError("run before plan: call plan(qo_indptr, kv_indptr, kv_indices, "
@@ -478,8 +487,19 @@ class MLADecodeWrapper:
                     self._bad_q(q, route)
                 self._q, self._q_ptr = q, q.data_ptr()
             q_ptr = self._q_ptr
+            o_ptr = 0
+            if out is not None:
+                if out is not self._o or out.data_ptr() != self._o_ptr \
+                        or out.shape != route.o_shape:
+                    if type(out) is not torch.Tensor or out.dtype is not torch.bfloat16 \
+                            or out.shape != route.o_shape or out.get_device() != self._dev \
+                            or not out.is_contiguous() or out.data_ptr() & 15:
+                        self._bad_out(out, route)
+                    self._o, self._o_ptr = out, out.data_ptr()
+                o_ptr = self._o_ptr
         else:
             q_ptr = q.data_ptr() if route.launch is not None else 0
+            o_ptr = out.data_ptr() if out is not None and route.launch is not None else 0
         if route.launch is not None:
             launch = route.graphed or route.launch
             if self._cuda and _capturing():  # the caller's graph records eager launches
@@ -488,12 +508,15 @@ class MLADecodeWrapper:
                     route.captured.add(self._key)
             kv_p, scale_p, sc_p, sc_stride = route.pool_ptrs[:4]
             qo_p, lens_p, ptr_p, idx_p = self._ptrs
-            return launch(q_ptr, kv_p, scale_p, sc_p, sc_stride, qo_p, lens_p, idx_p, ptr_p)
+            result = launch(q_ptr, kv_p, scale_p, sc_p, sc_stride, qo_p, lens_p, idx_p, ptr_p,
+                            o_ptr)
+            return result if out is None else out
         if self._key and self._cuda and _capturing():
             route.captured.add(self._key)
         kv, scale, sc = route.pool_parts
         qo, lens, ptr, idx = self._bound
-        return route.paged(q, kv, scale, sc, qo, lens, ptr, idx[:self._nnz], self._max_len)
+        return route.paged(q, kv, scale, sc, qo, lens, ptr, idx[:self._nnz], self._max_len,
+                           out)
 
     def _new_pool(self, route: _Route, kv_cache: Any) -> None:
         """Record the pool of a run whose pool is not the last run's: a pool checked before
@@ -537,6 +560,13 @@ class MLADecodeWrapper:
                else type(q).__name__)
         raise ValueError(f"q must be a contiguous bfloat16 tensor of shape {want} on "
                          f"{self.device}; got {got}")
+
+    def _bad_out(self, out: Any, route: _Route) -> None:
+        got = (f"{out.dtype} {tuple(out.shape)} on {out.device}"
+               + ("" if out.is_contiguous() else ", not contiguous")
+               if isinstance(out, torch.Tensor) else type(out).__name__)
+        raise ValueError(f"out must be a contiguous, 16-byte aligned bfloat16 tensor of shape "
+                         f"{tuple(route.o_shape)} on {self.device}; got {got}")
 
     def _pool(self, kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor | None,
                                             torch.Tensor | None]:

@@ -289,13 +289,60 @@ def test_one_plan_runs_every_layer_on_its_own_pool(cpu_dispatcher: Dispatcher,
         assert len(checked) == 5
 
 
+def _out_case(fmt: str, dispatcher: Dispatcher) -> dict[str, Any]:
+    """Two layers (own queries and pools, one plan) run with out=: each layer's output in
+    its own tensor, returned as given, against the reference; the runner's own buffer
+    (filled with NaN before) left alone."""
+    lens = (37, 100, 70)
+    layers = []
+    for seed in (7, 8):
+        q, kv_data, qo, kvp, config = generate_input(Shape(3, lens), seed=seed)
+        cache, idx, ptr = paged_pool(kv_data, lens, 16, fmt, seed=1)
+        ref = mla_decode_reference(q, kv_data, qo, kvp, config, kv_format=fmt)
+        layers.append((q, cache, ref, torch.full((3, 16, 512), 7.0, dtype=torch.bfloat16)))
+    w = MLADecodeWrapper(fmt, 16, 1, 16, "cpu", dispatcher=dispatcher)
+    w.plan(qo, ptr, idx, torch.tensor(lens, dtype=torch.int32))
+    own = getattr(w._route.runner, "launcher", None)
+    if own is not None:
+        own.out.fill_(float("nan"))
+    same = all(w.run(q, cache, out=o) is o for q, cache, _, o in layers)
+    err = max(float((o.float() - ref).abs().max()) for _, _, ref, o in layers)
+    untouched = own is None or bool(own.out.isnan().all())
+    return {"err": err, "same": same, "untouched": untouched,
+            "backend": w._route.runner.decision.backend}
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_run_writes_each_layers_output_into_its_out(cpu_dispatcher: Dispatcher,
+                                                    fmt: str) -> None:
+    r = _out_case(fmt, cpu_dispatcher)
+    assert r["same"] and r["err"] < 2e-2, r
+
+
+def test_a_bad_out_is_refused_before_any_launch() -> None:
+    w, data, cache, idx, ptr = _planned()
+    w.plan(data[2], ptr, idx, [40, 20])
+    good = torch.zeros((2, 16, 512), dtype=torch.bfloat16)
+    for bad, why in ((good.float(), "float32"), (good[:1], r"\(1, 16, 512\)"),
+                     (torch.zeros((2, 512, 16), dtype=torch.bfloat16).transpose(1, 2),
+                      "not contiguous"), (good.tolist(), "list")):
+        with pytest.raises(ValueError, match=rf"out must be .*\(2, 16, 512\).*{why}"):
+            w.run(data[0], cache, out=bad)
+    assert not good.any()
+    assert w.run(data[0], cache, out=good) is good and good.any()
+
+
 def test_triton_wrapper_and_planning_kernel_under_the_interpreter() -> None:
     pytest.importorskip("triton")
     from tests.compiled_child import interpreted_rows
 
     rows = interpreted_rows(__file__, timeout=600)
-    assert set(rows) == set(INTERP_CASES) | {"planner_batch_600", "task_ragged",
-                                             "int64_metadata_copied"}
+    assert set(rows) == set(INTERP_CASES) | set(OUT_CASES) | {
+        "planner_batch_600", "task_ragged", "int64_metadata_copied"}
+    for name in OUT_CASES:
+        r = rows[name]
+        assert r["backend"] == "triton" and r["same"] and r["untouched"], r
+        assert r["err"] < 2e-2, r
     for name, (fmt, _, _, _) in INTERP_CASES.items():
         r = rows[name]
         assert r["backend"] == "triton", r
@@ -418,10 +465,12 @@ def test_graph_launches_replay_what_eager_launches_compute() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="launch graphs need a CUDA GPU")
-def test_each_layer_replays_its_own_launch_graph() -> None:
+@pytest.mark.parametrize("own_out", [False, True])
+def test_each_layer_replays_its_own_launch_graph(own_out: bool) -> None:
     """One plan per step, one run per layer on the layer's own pool and query (steps
-    written into the same tensors): each layer captures its graph on its second step, and
-    every output equals a wrapper launching eagerly."""
+    written into the same tensors), with `own_out` into the layer's own output tensor:
+    each layer captures its graph on its second step, and every output equals a wrapper
+    launching eagerly into its own buffer."""
     dev = torch.device("cuda", torch.cuda.current_device())
     buf = _ServerBuffers(_gpu_steps(dev), dev)
     layers = [(buf.q + 0.5 * n, buf.pool * (1 + n)) for n in range(3)]
@@ -430,13 +479,17 @@ def test_each_layer_replays_its_own_launch_graph() -> None:
         w = MLADecodeWrapper("bf16", 16, 1, 16, dev, dispatcher=Dispatcher([], dev),
                              graph_launches=graphs)
         got = []
+        given = [torch.empty((buf.q.shape[0], 16, 512), dtype=torch.bfloat16, device=dev)
+                 for _ in layers] if own_out and graphs else [None] * len(layers)
         for s in (0, 1, 2, 3):
             idx = buf.write(s)
             w.plan(buf.qo, buf.ptr, idx, buf.lens, check=False)
             for n, (q, pool) in enumerate(layers):
                 q.copy_(buf.q + 0.5 * n)
                 pool.copy_(buf.pool * (1 + n))
-                got.append(w.run(q, pool).clone())
+                o = w.run(q, pool, out=given[n])
+                assert given[n] is None or o is given[n]
+                got.append(o.clone())
         if graphs:
             assert w._route.graphed.captures == len(layers)
         outs.append(got)
@@ -458,6 +511,13 @@ INTERP_CASES = {
 }
 """Each runs on a pool whose unused slots are NaN (`paged_pool(poison=True)`)."""
 
+OUT_CASES = {
+    "out_fused_merge": "triton:num_splits=2,fast_mode=true",
+    "out_merge_kernel": "triton:num_splits=2,fast_mode=false",
+}
+"""`_out_case` through the Triton runner, its output written by the split kernel's fused
+merge or by the merge kernel."""
+
 
 def _child() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -468,6 +528,10 @@ def _child() -> None:
                              poison=True)
         print(json.dumps({"name": name, "err": e,
                           "backend": w._route.runner.decision.backend}), flush=True)
+    for name, force in OUT_CASES.items():
+        os.environ["MLA_TUNE_FORCE"] = force
+        print(json.dumps({"name": name, **_out_case("bf16", Dispatcher([], "cpu"))}),
+              flush=True)
     os.environ["MLA_TUNE_FORCE"] = ""
     from mla_tune.kernels.triton.serving_plan import ServingPlanLauncher
 
