@@ -8,7 +8,9 @@ same steps' lengths in each of these layouts of the same tokens:
 - `paged P ordered`: FlashInfer's paged metadata (SCHED_PAGED, pointer loads through the
   page indices) with each sequence's pages consecutive in the pool;
 - `paged P shuffled`: the same with the pages at shuffled positions (serving_loop's pools),
-  through pointer loads and, where `mla_decode.pool_tma` admits the config, through TMA.
+  through pointer loads and, where `mla_decode.pool_tma` admits the config, through TMA;
+  and, for pages of at least a tile, through pointer loads with one page index per tile
+  (`paged P shuffled tile`: the `page_rows='tile'` form, mla_decode.paged_tiles).
 The paged layouts' pools hold NaN in every slot no sequence holds, so a runner that lets
 a slot past a sequence's end reach the output fails the error check.
 So the gap between the contiguous and the paged runner splits into the load method, the
@@ -143,15 +145,18 @@ def layouts(loop: Loop, loops: dict[int, Loop], base: md.BalancedLauncher,
     for page, lp in loops.items():
         pscale = None if fmt == "bf16" else lp.cache[1]
         ordered, shuffled = ordered_pages(lp), lp.pages
-        runs = [("pointer", "ordered", ordered), ("pointer", "shuffled", shuffled)]
+        pointer = replace(base.cfg, kv_load="pointer", page_rows="key")
+        runs = [("pointer", pointer, "ordered", ordered),
+                ("pointer", pointer, "shuffled", shuffled)]
         if kernel.pool_tma(benchkit.config_in(kernel, base.cfg), page):
-            runs.append(("tma", "shuffled", shuffled))
+            runs.append(("tma", replace(base.cfg, kv_load="tma"), "shuffled", shuffled))
+        if page >= base.cfg.block_n and hasattr(kernel, "paged_tiles"):
+            runs.append(("tile", replace(pointer, page_rows="tile"), "shuffled", shuffled))
         pools = {"ordered": poisoned_pool(lp, ordered), "shuffled": poisoned_pool(lp, shuffled)}
-        for load, order, pages in runs:
-            if wanted is not None and f"paged {page} {order} {load}" not in wanted:
+        for label, cfg, order, pages in runs:
+            if wanted is not None and f"paged {page} {order} {label}" not in wanted:
                 continue
-            P = build(kernel, base, replace(base.cfg, kv_load=load), lp, kernel.SCHED_PAGED,
-                      page)
+            P = build(kernel, base, cfg, lp, kernel.SCHED_PAGED, page)
             tables = [dev for _, _, dev in lp.page_tables(pages)]
             pool = pools[order] if fmt == "bf16" else pools[order][0]
 
@@ -161,7 +166,7 @@ def layouts(loop: Loop, loops: dict[int, Loop], base: md.BalancedLauncher,
                 ptr, idx, lens = tables[s]
                 return P(lp.q, pool, pscale, None, lp.qo, lens, ptr, idx)
 
-            out[f"paged {page} {order} {P.cfg.kv_load}"] = (
+            out[f"paged {page} {order} {label}"] = (
                 paged, reference(lp, lp.steps - 1, pages))
     return out
 

@@ -46,7 +46,7 @@ MXFP4_SCALE_STRIDE = 24
 """Row stride of the MXFP4 scale tensor as aiter pads it: 24 bytes, 18 used."""
 
 KNOB_DEFAULTS: dict[str, Any] = {"fp8_convert": "staged", "kv_load": "pointer", "pdl": True,
-                                 "seg_cost": SEG_COST}
+                                 "seg_cost": SEG_COST, "page_rows": "key"}
 """What a config without one of these knobs means: how the kernel ran before the knob
 existed. The launch rules read a missing knob so, and the family's space fills them into
 stored configs it validates (`complete_config`), so a config stored before a knob keeps
@@ -113,6 +113,9 @@ def variant_feasible(kv_format: str, kv_lens: tuple[int, ...], q_len: int, heads
         return False  # see kv_load in configs/backends/triton.toml
     if kv_load == "tma_host" and (balanced or q_len != 1 or any(L % block_n for L in kv_lens)):
         return False  # shared descriptors: tiles_stay_inside must hold (balanced: runs 'tma')
+    if str(config.get("page_rows", "key")) != "key" and not (
+            balanced and kv_load == "pointer" and 1 < page_size and block_n <= page_size):
+        return False  # see page_rows in configs/backends/triton.toml
     return int(config["num_splits"]) * block_n <= max(kv_lens)
 
 
@@ -126,7 +129,8 @@ def variant_config(kv_format: str, page_size: int, config: Mapping[str, Any]) ->
         page_size=variant_page_size(page_size, config),
         fast_mode=bool(config["fast_mode"]),
         fp8_convert=str(config.get("fp8_convert", "staged")),
-        kv_load=str(config.get("kv_load", "pointer")), pdl=bool(config.get("pdl", True)))
+        kv_load=str(config.get("kv_load", "pointer")), pdl=bool(config.get("pdl", True)),
+        page_rows=str(config.get("page_rows", "key")))
 
 
 def balanced_launcher(kv_format: str, batch: int, q_len: int, heads: int,

@@ -100,6 +100,10 @@ token-balanced schedule over a contiguous cache (KV_INDPTR: cumulative tokens); 
 over FlashInfer's paged metadata (KV_INDPTR: lengths, PAGE_TBL: page indices)."""
 PAGE_INDEX = 2
 """PAGED value for a page table of page indices (PAGED=True: of first page rows)."""
+PAGE_TILES = 3
+"""PAGED value for a page table of page indices whose pages hold whole tiles (pages of at
+least BLOCK_N keys; a tile, aligned to BLOCK_N, lies in one page): pointer loads take one
+page index per tile (`page_tiles`)."""
 D_NOPE = tl.constexpr(512)
 D_ROPE = tl.constexpr(64)
 D_QK = tl.constexpr(576)
@@ -386,10 +390,15 @@ def _tile_rows(PAGE_TBL, pg_start, page_shift, kv_start, n0, hi, BLOCK_N: tl.con
                PAGED: tl.constexpr):
     """(token offsets, in-range mask, physical cache rows) of the tile [n0, n0 + BLOCK_N).
     PAGED: table entries are the first physical row of each page (identity_page_table);
-    PAGED == PAGE_INDEX: they are page indices, as servers store them."""
+    PAGED == PAGE_INDEX: they are page indices, as servers store them; PAGE_TILES: page
+    indices of pages that hold whole tiles, one index per tile."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
-    if PAGED:
+    if PAGED == 3:
+        page = tl.load(PAGE_TBL + pg_start + (n0 >> page_shift))
+        phys = (page.to(tl.int64) << page_shift) + ((n0 & ((1 << page_shift) - 1))
+                                                     + tl.arange(0, BLOCK_N))
+    elif PAGED:
         ent = tl.load(PAGE_TBL + pg_start + (offs_n >> page_shift), mask=n_ok, other=0)
         if PAGED == 2:
             phys = (ent.to(tl.int64) << page_shift) + (offs_n & ((1 << page_shift) - 1))
@@ -519,17 +528,26 @@ def _attend_kv_tile(KV, desc_n, desc_r, PAGE_TBL, pg_start, page_shift, kv_start
 def _paged_ptr_tile(KV, PAGE_TBL, pg_start, page_shift, ent, n0, hi, sc_stride, qnT, qrT,
                     row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr,
                     COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                    STAGED: tl.constexpr):
+                    STAGED: tl.constexpr, TILES: tl.constexpr):
     """A tile [n0, n0 + BLOCK_N) of a paged sequence through masked pointer loads; `ent`
-    (its keys' page indices) was loaded one tile ahead, so the table load is not in the
-    dependency chain of the tile's load. Returns (m_i, l_i, acc, the next tile's page
-    indices)."""
+    (its keys' page indices; TILES: the tile's one page index, pages holding whole tiles)
+    was loaded one tile ahead, so the table load is not in the dependency chain of the
+    tile's load. Returns (m_i, l_i, acc, the next tile's page index or indices)."""
     offs = tl.arange(0, BLOCK_N)
-    nn = n0 + BLOCK_N + offs
-    nxt = tl.load(PAGE_TBL + pg_start + (nn >> page_shift), mask=nn < hi, other=0)
-    offs_n = n0 + offs
-    n_ok = offs_n < hi
-    phys = (ent.to(tl.int64) << page_shift) + (offs_n & ((1 << page_shift) - 1))
+    if TILES:
+        # One index and an affine row range per tile: the rows' addresses compile as the
+        # contiguous cache's do, not as 64-bit arithmetic on a table entry per row.
+        nn = n0 + BLOCK_N
+        nxt = tl.load(PAGE_TBL + pg_start + (nn >> page_shift), mask=nn < hi, other=0)
+        offs_n = n0 + offs
+        n_ok = offs_n < hi
+        phys = (ent.to(tl.int64) << page_shift) + ((n0 & ((1 << page_shift) - 1)) + offs)
+    else:
+        nn = n0 + BLOCK_N + offs
+        nxt = tl.load(PAGE_TBL + pg_start + (nn >> page_shift), mask=nn < hi, other=0)
+        offs_n = n0 + offs
+        n_ok = offs_n < hi
+        phys = (ent.to(tl.int64) << page_shift) + (offs_n & ((1 << page_shift) - 1))
     kn_raw, kr_raw = _load_kv_tile(KV, phys, n_ok)
     m_i, l_i, acc = _attend_tile(kn_raw, kr_raw, offs_n, n_ok, sc_stride, qnT, qrT, row_scale,
                                  limit, m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE, UPCAST,
@@ -541,29 +559,32 @@ def _paged_ptr_tile(KV, PAGE_TBL, pg_start, page_shift, ent, n0, hi, sc_stride, 
 def _attend_paged(KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT, qrT, row_scale,
                   limit, m_i, l_i, acc, lazy, p_gain, KV_FMT: tl.constexpr,
                   COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-                  STAGED: tl.constexpr):
+                  STAGED: tl.constexpr, TILES: tl.constexpr):
     """Keys [lo, hi) of a bf16/fp8 sequence whose pages PAGE_TBL lists by index (PAGED ==
-    PAGE_INDEX), through masked pointer loads, each tile's page indices loaded one tile
-    ahead. (Whole tiles through TMA over the pool's rows, for pages of a tile or more,
-    was no faster on the H200: 5-10 % slower at 32 sequences, 1-2 % faster at 128;
-    bench/results/serving_loop.md.)"""
-    offs = tl.arange(0, BLOCK_N)
-    ent = tl.load(PAGE_TBL + pg_start + ((lo + offs) >> page_shift), mask=lo + offs < hi,
-                  other=0)
+    PAGE_INDEX, or PAGE_TILES: TILES), through masked pointer loads, each tile's page
+    indices (TILES: its page index) loaded one tile ahead. (Whole tiles through TMA over
+    the pool's rows, for pages of a tile or more, was no faster on the H200: 5-10 % slower
+    at 32 sequences, 1-2 % faster at 128; bench/results/serving_loop.md.)"""
+    if TILES:
+        ent = tl.load(PAGE_TBL + pg_start + (lo >> page_shift), mask=lo < hi, other=0)
+    else:
+        offs = tl.arange(0, BLOCK_N)
+        ent = tl.load(PAGE_TBL + pg_start + ((lo + offs) >> page_shift), mask=lo + offs < hi,
+                      other=0)
     if UPCAST:
         n0 = lo
         while n0 < hi:  # the interpreter cannot range() over loaded bounds
             m_i, l_i, acc, ent = _paged_ptr_tile(
                 KV, PAGE_TBL, pg_start, page_shift, ent, n0, hi, sc_stride, qnT, qrT,
                 row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE, BLOCK_N,
-                UPCAST, STAGED)
+                UPCAST, STAGED, TILES)
             n0 += BLOCK_N
     else:
         for n0 in range(lo, hi, BLOCK_N):
             m_i, l_i, acc, ent = _paged_ptr_tile(
                 KV, PAGE_TBL, pg_start, page_shift, ent, n0, hi, sc_stride, qnT, qrT,
                 row_scale, limit, m_i, l_i, acc, lazy, p_gain, KV_FMT, COMPUTE, BLOCK_N,
-                UPCAST, STAGED)
+                UPCAST, STAGED, TILES)
     return m_i, l_i, acc
 
 
@@ -837,7 +858,7 @@ def _attend_rows(
         acc = tl.zeros([D_NOPE, BLOCK_M], tl.float32)
         desc_n = KV
         desc_r = KV
-        if (TMA == 1) and (PAGED != 2):  # (paged: _attend_paged_tma makes its own)
+        if (TMA == 1) and (PAGED < 2):  # (paged: _attend_paged_tma makes its own)
             # Bounded at the split's end: see "KV loads" in the module docstring.
             end = (kv_start + hi).to(tl.int32)
             desc_n = tl.make_tensor_descriptor(KV, [end, D_QK], [D_QK, 1],
@@ -852,11 +873,11 @@ def _attend_rows(
                 KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT, qrT, row_scale,
                 limit, m_i, l_i, acc, fast, p_gain, KV_FMT, COMPUTE, BLOCK_N, UPCAST,
                 FP8_STAGED)
-        elif PAGED == 2:
+        elif PAGED >= 2:
             m_i, l_i, acc = _attend_paged(
                 KV, PAGE_TBL, pg_start, page_shift, lo, hi, sc_stride, qnT, qrT, row_scale,
                 limit, m_i, l_i, acc, fast, p_gain, KV_FMT, COMPUTE, BLOCK_N, UPCAST,
-                FP8_STAGED)
+                FP8_STAGED, PAGED == 3)
         elif UPCAST:
             n0 = lo
             while n0 < hi:
@@ -1039,6 +1060,7 @@ class KernelConfig:
     fp8_convert: str = "staged"
     kv_load: str = "pointer"
     pdl: bool = True
+    page_rows: str = "key"
 
     def tma(self) -> bool:
         """bf16/fp8 tiles load through tensor descriptors (MXFP4 keeps pointers)."""
@@ -1087,6 +1109,29 @@ def pool_tma(cfg: KernelConfig, page_size: int) -> bool:
     interpreter gets it right) and spills 728-880 B on sm_90: it keeps pointer loads."""
     return cfg.tma() and page_size >= cfg.block_n and (cfg.block_n < 64
                                                        or cfg.kv_format == "fp8")
+
+
+def paged_tiles(cfg: KernelConfig, page_size: int) -> bool:
+    """Whether the balanced runner of `cfg` reads a pool of `page_size`-key pages with one
+    page index per tile (PAGE_TILES): pointer loads, the `page_rows='tile'` knob, and pages
+    of at least a tile. Its tile loop then addresses rows as the contiguous cache's does
+    (sm_90, 64-key fp8 tiles: 870 SASS instructions per tile against 1,051 with a table
+    entry per key and 861 contiguous; docs/design/triton_kernel.md)."""
+    return cfg.page_rows == "tile" and not pool_tma(cfg, page_size) \
+        and page_size >= cfg.block_n
+
+
+def paged_form(cfg: KernelConfig, page_size: int) -> KernelConfig:
+    """`cfg` as the balanced runner over a pool of `page_size`-key pages compiles it: TMA
+    where pool_tma says so, else pointer loads, a page index per tile where paged_tiles
+    says so (the page size value itself is a runtime argument)."""
+    return replace(cfg, kv_load="tma" if pool_tma(cfg, page_size) else "pointer",
+                   page_rows="tile" if paged_tiles(cfg, page_size) else "key", page_size=1)
+
+
+def paged_flag(cfg: KernelConfig) -> int:
+    """The PAGED constexpr of a balanced runner's config in its paged form (paged_form)."""
+    return PAGE_TILES if cfg.page_rows == "tile" else PAGE_INDEX
 
 
 _KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "mxfp4": torch.uint8}
@@ -1439,19 +1484,17 @@ class BalancedLauncher:
         nvidia = self.target.startswith("cuda")
         # Contiguous: per-program descriptors ('tma_host' shares one pair of descriptors,
         # whose tiles could run past a ragged sequence's end). Paged: per-program
-        # descriptors over the pool where pool_tma says so, else pointer loads.
-        if sched == SCHED_PAGED:
-            cfg = replace(cfg, kv_load="tma" if pool_tma(cfg, page_size) else "pointer",
-                          page_size=1)
-        elif cfg.kv_load == "tma_host":
-            cfg = replace(cfg, kv_load="tma")
+        # descriptors over the pool where pool_tma says so, else pointer loads, one page
+        # index per tile where paged_tiles says so.
+        cfg = paged_form(cfg, page_size) if sched == SCHED_PAGED else replace(
+            cfg, kv_load="tma" if cfg.kv_load == "tma_host" else cfg.kv_load, page_rows="key")
         self.cfg = cfg
         self.row_blocks = triton.cdiv(q_len * heads, cfg.block_m)
         self.stride = q_len * heads
         # One compiled kernel for every batch up to 256 (a bucket's batch is exact).
         self.batch_p2 = max(256, triton.next_power_of_2(batch))
         self.page_shift = page_size.bit_length() - 1
-        self.paged_flag: bool | int = PAGE_INDEX if sched == SCHED_PAGED else False
+        self.paged_flag: bool | int = paged_flag(cfg) if sched == SCHED_PAGED else False
         self.constexprs = cfg.constexprs(self.paged_flag, self.upcast, nvidia, sched,
                                          self.batch_p2)
         self.kernel_desc = self.constexprs["TMA"] == TMA_KERNEL_DESC

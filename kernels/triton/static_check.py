@@ -42,15 +42,14 @@ compiled kernel serves every such batch."""
 
 def balanced_config(cfg: md.KernelConfig, sched: int) -> md.KernelConfig:
     """`cfg` as a BalancedLauncher runs it under `sched`: 'tma_host' runs as per-program
-    descriptors ('tma'); a page pool of `cfg.page_size`-key pages is read through TMA where
-    mla_decode.pool_tma says so, else with pointer loads through page indices.
-    (tests/kernels/test_static_check.py checks this against BalancedLauncher itself.)"""
+    descriptors ('tma'); a page pool of `cfg.page_size`-key pages is read as
+    mla_decode.paged_form says (TMA, or pointer loads through a page index per key or per
+    tile). (tests/kernels/test_static_check.py checks this against BalancedLauncher
+    itself.)"""
     if sched == md.SCHED_PAGED:
-        return replace(cfg, kv_load="tma" if md.pool_tma(cfg, cfg.page_size) else "pointer",
-                       page_size=1)
-    if cfg.kv_load == "tma_host":
-        return replace(cfg, kv_load="tma")
-    return cfg
+        return md.paged_form(cfg, cfg.page_size)
+    return replace(cfg, kv_load="tma" if cfg.kv_load == "tma_host" else cfg.kv_load,
+                   page_rows="key")
 
 
 def _launch_form(cfg: md.KernelConfig, sched: int) -> tuple[md.KernelConfig, bool | int, int]:
@@ -58,8 +57,8 @@ def _launch_form(cfg: md.KernelConfig, sched: int) -> tuple[md.KernelConfig, boo
     under `sched`."""
     if sched == md.SCHED_SPLITS:
         return cfg, cfg.page_size > 1, 1
-    paged = md.PAGE_INDEX if sched == md.SCHED_PAGED else False
-    return balanced_config(cfg, sched), paged, BALANCED_BATCH_P2
+    c = balanced_config(cfg, sched)
+    return c, md.paged_flag(c) if sched == md.SCHED_PAGED else False, BALANCED_BATCH_P2
 
 
 @dataclass(frozen=True)
@@ -91,10 +90,11 @@ def _source_hash() -> str:
 
 def variant_key(cfg: md.KernelConfig) -> tuple:
     """What distinguishes compiled kernels: runtime knobs (split count, fast mode, the page
-    size value) do not, only whether a page table is read."""
+    size value) do not, only whether a page table is read (and, by a balanced runner, a
+    page index per key or per tile)."""
     return (cfg.kv_format, cfg.compute, cfg.block_m, cfg.block_n, cfg.num_warps,
             cfg.num_stages, cfg.page_size > 1, cfg.fp8_convert,
-            cfg.kv_load if cfg.tma() else "pointer", cfg.pdl)
+            cfg.kv_load if cfg.tma() else "pointer", cfg.pdl, cfg.page_rows)
 
 
 def compiled_key(cfg: md.KernelConfig, heads: int = 16,

@@ -63,6 +63,11 @@ def balanced_variants() -> list[tuple[md.KernelConfig, int]]:
         for c, sched in ((cfg, md.SCHED_TOKENS), (cfg, md.SCHED_PAGED),
                          (replace(cfg, page_size=64), md.SCHED_PAGED)):
             seen.setdefault(static_check.compiled_key(c, sched=sched), (c, sched))
+    # Knobs only a pool of whole-tile pages admits (page_rows='tile').
+    for cfg in _configs(lambda f: Shape(2, (8192, 8000), heads=128, kv_format=f, page_size=64),
+                        num_splits=1, pdl=True):
+        seen.setdefault(static_check.compiled_key(cfg, sched=md.SCHED_PAGED),
+                        (cfg, md.SCHED_PAGED))
     return list(seen.values())
 
 

@@ -113,6 +113,27 @@ def test_tma_reads_a_page_pool_only_in_the_balanced_runner_with_pages_of_a_tile(
     assert (32, "tma") in loads
 
 
+def test_a_page_index_per_tile_only_for_pointer_loads_from_pages_of_a_tile():
+    # page_rows='tile' (mla_decode.paged_tiles) exists where a tile lies in one page of a
+    # pool the balanced runner reads with pointer loads; elsewhere a point keeps 'key'.
+    from mla_tune.backends.triton_family import kernel_config
+
+    fam, cuda = TritonFamily(), torch.device("cuda")
+    for fmt, page, block_n, tile in (("fp8", 64, 64, True), ("fp8", 32, 64, False),
+                                     ("bf16", 64, 32, True), ("bf16", 16, 32, False),
+                                     ("mxfp4", 32, 32, True), ("bf16", 1, 32, False)):
+        ragged = Shape(batch=3, kv_lens=(1000, 300, 517), page_size=page, kv_format=fmt)
+        rows = {(c["kv_load"], c["page_rows"]) for c in fam.candidates(ragged, cuda)
+                if c["block_n"] == block_n}
+        assert ("pointer", "tile") in rows if tile else {r for _, r in rows} == {"key"}
+        assert not {load for load, r in rows if r == "tile"} - {"pointer"}
+    for shape in (Shape.uniform(4, 1024, page_size=64), Shape.uniform(4, 1024)):
+        assert {c["page_rows"] for c in fam.candidates(shape, cuda)} == {"key"}
+    ragged = Shape(batch=3, kv_lens=(1000, 300, 517), page_size=64, kv_format="fp8")
+    point = next(c for c in fam.candidates(ragged, cuda) if c["page_rows"] == "tile")
+    assert kernel_config(ragged, point).page_rows == "tile"
+
+
 def test_configs_stored_before_a_knob_validate_to_its_default():
     from mla_tune.backends.triton_family import kernel_config
     from mla_tune.kernels.triton.launch import variant_seg_cost
@@ -123,7 +144,7 @@ def test_configs_stored_before_a_knob_validate_to_its_default():
     for device in (torch.device("cuda"), torch.device("cpu")):
         space = fam.declared_space(device).restrict({"num_splits": 1})  # pins keep them
         point = next(space.grid())
-        old = {k: v for k, v in point.items() if k not in ("seg_cost", "pdl")}
+        old = {k: v for k, v in point.items() if k not in ("seg_cost", "pdl", "page_rows")}
         assert space.validate(old) == space.validate(point) == point
         assert variant_seg_cost(old) == SEG_COST == point["seg_cost"]
     # seg_cost is a runtime argument: every value is the same compiled kernel.

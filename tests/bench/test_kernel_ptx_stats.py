@@ -29,3 +29,19 @@ def test_fp8qk_at_64_keys_is_all_wgmma() -> None:
 
 def test_tile_loop_is_empty_without_a_loop() -> None:
     assert kps.tile_loop("ld.global.b32 %r1, [%rd1];\nret;") == ""
+
+
+def test_a_page_index_per_tile_leaves_one_table_load_in_the_sass_tile_loop() -> None:
+    from mla_tune.kernels.triton import mla_decode as md
+
+    loops = {}
+    for rows in ("key", "tile"):
+        cfg = benchkit.parse_variant(f"bf16:4x1024:block_n=32,num_stages=3,page_size=64,"
+                                     f"page_rows={rows}")[1]
+        kernel = kps.compile_split(cfg, "cuda:90", 16, md.SCHED_PAGED)
+        loops[rows] = kps.sass_tile_loop(kernel.asm["cubin"], kps.nvdisasm_path())
+    # 32 keys x 576 bf16 per tile: 18 16-byte cp.async per thread either way; the table
+    # entries of the rows a thread copies (18) against one index per tile.
+    assert loops["key"]["LDGSTS"] == loops["tile"]["LDGSTS"] == 18
+    assert loops["key"]["LDG"] == 18 and loops["tile"]["LDG"] == 1
+    assert sum(loops["tile"].values()) < sum(loops["key"].values())

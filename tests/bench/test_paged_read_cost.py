@@ -27,13 +27,14 @@ def test_baseline_runs_its_own_kernel_file(tmp_path: Path) -> None:
         [sys.executable, "bench/paged_read_cost.py", "--baseline", str(wrong),
          "--batch", "2", "--format", "bf16", "--pages", "64", "--steps", "2", "--lo", "30",
          "--hi", "200", "--config", "block_n=32,kv_load=tma", "--programs", "3",
-         "--seg-cost", "1", "--layouts", "tokens tma,paged 64 shuffled tma"],
+         "--seg-cost", "1", "--layouts",
+         "tokens tma,paged 64 shuffled tma,paged 64 shuffled tile"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     errs = {cells[0]: float(cells[2]) for cells in
             (line.strip(" |").split(" | ") for line in proc.stdout.splitlines()
              if line.startswith("| ") and not line.startswith("| layout"))}
-    layouts = ("tokens tma", "paged 64 shuffled tma")
+    layouts = ("tokens tma", "paged 64 shuffled tma", "paged 64 shuffled tile")
     assert set(errs) == {*layouts, *(f"{x} [baseline]" for x in layouts)}, proc.stdout
     for layout in layouts:
         assert errs[layout] <= 0.02, (layout, proc.stdout)

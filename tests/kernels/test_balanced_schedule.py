@@ -83,6 +83,19 @@ CASES: dict[str, tuple[str, tuple[int, ...], int, int, dict[str, Any], dict[str,
                            dict(compute="bf16", block_n=32)),
     "paged_mxfp4_p16_q4": ("mxfp4", (70, 120, 12), 4, 16, dict(programs=3),
                            dict(block_n=32)),
+    # One page index per tile (page_rows='tile'): partial tiles mid-page and at a page's
+    # start, runs crossing sequences, causal rows whose row block ends before its run
+    # (hi < lo: not even the first tile's index may be read), pages of exactly a tile.
+    "paged_bf16_p64_tiles": ("bf16", (37, 300, 64, 129), 1, 64, dict(programs=5),
+                             dict(block_n=32, page_rows="tile")),
+    "paged_fp8_fp8_p64_b64_q4_tiles": ("fp8", (300, 129, 66, 37), 4, 64,
+                                       dict(programs=5, seg_cost=1),
+                                       dict(compute="fp8", block_n=64, page_rows="tile")),
+    "paged_fp8_bf16_p16_tiles_fused": ("fp8", (60, 150, 33), 1, 16, dict(programs=4),
+                                       dict(compute="bf16", block_n=16, fast_mode=True,
+                                            page_rows="tile")),
+    "paged_mxfp4_p32_q4_tiles": ("mxfp4", (70, 120, 12), 4, 32, dict(programs=3),
+                                 dict(block_n=32, page_rows="tile")),
 }
 NAN_SEQUENCE = {"tokens_fp8_fp8_tma_nan_neighbour": 1, "tokens_bf16_q4_tma_nan_neighbour": 1}
 """Cases whose sequence of this index holds NaN keys; the others' outputs are checked."""
@@ -112,6 +125,8 @@ def test_balanced_schedule_matches_reference(results: dict[str, dict], name: str
         tma = cfg.get("kv_load", "pointer") != "pointer" and fmt != "mxfp4" and \
             page >= cfg["block_n"] and (cfg["block_n"] < 64 or fmt == "fp8")
         assert r["tma"] == (1 if tma else 0), r
+        tiles = not tma and cfg.get("page_rows") == "tile" and page >= cfg["block_n"]
+        assert r["paged"] == (3 if tiles else 2), r  # PAGE_TILES or PAGE_INDEX
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
@@ -252,7 +267,8 @@ def _run_case(name: str, fmt: str, lens: tuple[int, ...], q_len: int, page: int,
                        dev(qo), dev(kvp))
     out, ref = out.float().cpu()[keep], ref[keep]
     return ({"name": name, "err": float((out - ref).abs().max()),
-             "finite": bool(torch.isfinite(out).all()), "tma": launcher.constexprs["TMA"]},
+             "finite": bool(torch.isfinite(out).all()), "tma": launcher.constexprs["TMA"],
+             "paged": int(launcher.paged_flag)},
             launcher)
 
 
