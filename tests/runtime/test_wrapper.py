@@ -332,6 +332,22 @@ def test_a_bad_out_is_refused_before_any_launch() -> None:
     assert w.run(data[0], cache, out=good) is good and good.any()
 
 
+def test_the_serving_example_decodes_every_layer_right() -> None:
+    """examples/serving/decode_loop.py: a block table and lengths rewritten in persistent
+    buffers each step, one plan per step, each layer into its own `out`; it checks every
+    layer's last step against the reference and exits 1 when one is off."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "examples/serving/decode_loop.py", "--layers", "3",
+                           "--steps", "4"], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert [line.split(":")[1].split()[0] for line in proc.stdout.splitlines()
+            if line.startswith("layer ")] == ["ok=True"] * 3, proc.stdout
+
+
 def test_triton_wrapper_and_planning_kernel_under_the_interpreter() -> None:
     pytest.importorskip("triton")
     from tests.compiled_child import interpreted_rows
