@@ -14,7 +14,8 @@ calls with the GPU kept busy, of
   for scale;
 - a model's step: one plan, then one run per layer, each layer with its own pool and
   query (61 layers, DeepSeek-V3's count; the pools views of one buffer at other offsets),
-  per run, with launch graphs and without.
+  per run, with launch graphs and without, and with launch graphs writing each layer's
+  output into its own tensor (`run(..., out=)`, as a model's layers keep theirs).
 
     python3 bench/serving_host_time.py --batch 128 --format bf16 --page 64
 """
@@ -32,6 +33,7 @@ import triton
 
 import benchkit  # noqa: F401 - refuses to run against another checkout
 from mla_tune import MLADecodeWrapper
+from mla_tune.problem.shapes import V_HEAD_DIM
 from mla_tune.runtime.dispatcher import Dispatcher
 from serving_loop import Loop
 
@@ -176,32 +178,37 @@ def main() -> None:
     print(f"| plan(check=False), a view made after the tables' copies, timed per call | {us:.2f} |")
     print(f"# the view-only path answered {answered[0]} of {answered[1]} such plans")
     print(f"# graphs captured by run: {route.graphed.captures}")
-    for name, wr in (("launch graphs", w), ("eager launches", eager)):
-        us = per_layer_run_us(wr, loop, ptr, idx, lens, a.blocks, a.layers)
+    for name, wr, own_out in (("launch graphs", w, False), ("eager launches", eager, False),
+                              ("launch graphs, each layer into its own out", w, True)):
+        us = per_layer_run_us(wr, loop, ptr, idx, lens, a.blocks, a.layers, own_out)
         print(f"| a model's step: plan once, run per layer ({a.layers} layers' pools), "
               f"{name}, per run | {us:.2f} |")
     print(f"# graphs captured by run, the model's steps included: {route.graphed.captures}")
 
 
 def per_layer_run_us(w: MLADecodeWrapper, loop: Loop, ptr: torch.Tensor, idx: torch.Tensor,
-                     lens: torch.Tensor, steps: int, layers: int) -> float:
+                     lens: torch.Tensor, steps: int, layers: int, own_out: bool = False
+                     ) -> float:
     """Median over `steps` steps of the host time per run of a step that plans once and
-    runs every layer on its own pool and query, the GPU synchronized between steps (a
-    step's launches stay far below the driver's queue)."""
+    runs every layer on its own pool and query (`own_out`: into the layer's own output
+    tensor, as a model's attention layers write theirs), the GPU synchronized between
+    steps (a step's launches stay far below the driver's queue)."""
     vals = loop.cache if loop.fmt == "bf16" else loop.cache[0]
     n = vals.shape[0]
     big = vals.new_zeros((n + layers, *vals.shape[1:]))
     pools: list = [big[i:i + n] for i in range(layers)]
     if loop.fmt != "bf16":
         pools = [(p, loop.cache[1]) for p in pools]
-    model = list(zip([loop.q.clone() for _ in range(layers)], pools))
+    outs = [torch.empty((loop.q.shape[0], loop.q.shape[1], V_HEAD_DIM), dtype=torch.bfloat16,
+                        device=loop.q.device) if own_out else None for _ in range(layers)]
+    model = list(zip([loop.q.clone() for _ in range(layers)], pools, outs))
     out = []
     for s in range(steps + 3):  # two steps to capture the layers' graphs, one more to warm
         torch.cuda.synchronize()
         t0 = time.perf_counter_ns()
         w.plan(loop.qo, ptr, idx, lens, check=False)
-        for q, pool in model:
-            w.run(q, pool)
+        for q, pool, o in model:
+            w.run(q, pool, out=o)
         if s >= 3:
             out.append((time.perf_counter_ns() - t0) / layers / 1e3)
     torch.cuda.synchronize()
