@@ -68,7 +68,8 @@ starts a sequence gets fewer keys. SCHED_TOKENS reads the contiguous cache (KV_I
 cumulative tokens); SCHED_PAGED reads FlashInfer's paged metadata as servers hold it
 (KV_INDPTR: per-sequence lengths; PAGE_TBL: page indices, PAGED == PAGE_INDEX), each tile's
 page indices loaded one tile ahead: through TMA where a tile lies inside a page and
-pool_tma says so (_attend_paged_tma), else through pointer loads.
+pool_tma says so (_attend_paged_tma), else through pointer loads, with one page index per
+tile where paged_tiles says so (PAGED == PAGE_TILES), else one per key.
 
 Causality: query j of a sequence with q_len queries and kv length L sees keys
 [0, L - q_len + j].
