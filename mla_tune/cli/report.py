@@ -20,6 +20,8 @@ from rich.table import Table
 from mla_tune.cli.common import DB_HELP, app, console, fail, open_store, out, warn
 from mla_tune.problem.shapes import Shape
 
+NEAREST_LISTED = 10  # shapes an unknown --shape error names, closest first
+
 
 @app.command()
 def report(
@@ -151,7 +153,7 @@ def _report_reading(store: Any) -> Iterator[None]:
 def _report_rows(store: Any, wanted: Any, shape: str | None, software: str | None,
                  suite_list: Sequence[Shape] | None) -> list[Any]:
     """The report's rows; with --shape, those it names, or exit 2 listing what exists."""
-    from mla_tune.reports.table import report_rows, suite_keys
+    from mla_tune.reports.table import nearest_shapes, report_rows, suite_keys
 
     rows = report_rows(store, software_hash=software,
                        shape_keys=suite_keys(suite_list) if suite_list is not None else None)
@@ -159,9 +161,12 @@ def _report_rows(store: Any, wanted: Any, shape: str | None, software: str | Non
         return rows
     match = [r for r in rows if wanted(r.shape)]
     if not match:
-        sizes = list(dict.fromkeys(r.shape.label() for r in rows))
-        fail(f"no stored winner for shape {shape!r} in {store.url}; shapes with winners: "
-             f"{', '.join(sizes) or '(none)'}")
+        stored = list({r.shape.key: r.shape for r in rows}.values())
+        near = [s.label() for s in nearest_shapes(shape or "", stored)[:NEAREST_LISTED]]
+        more = (f" and {len(stored) - len(near)} more (`mla-tune report` lists them all)"
+                if len(stored) > len(near) else "")
+        fail(f"no stored winner for shape {shape!r} in {store.url}; the nearest shapes with "
+             f"winners: {', '.join(near) or '(none)'}{more}")
     return match
 
 

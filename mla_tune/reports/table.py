@@ -512,6 +512,24 @@ def shape_matcher(text: str) -> Callable[[Shape], bool]:
     return lambda s: all(t(s) for t in tests)
 
 
+def nearest_shapes(text: str, shapes: Sequence[Shape]) -> list[Shape]:
+    """The shapes closest to what `report --shape TEXT` asked for (batch and kv length on a
+    log scale, then a shared KV format), for an error that names a few rather than all."""
+    parts = [p for p in re.split(r"[\s:,/]+", text.strip()) if p]
+    m = _SIZE_RE.fullmatch(parts[0]) if parts else None
+    if m is None:
+        return list(shapes)
+    batch, kv = int(m.group(1)), max(1, int(m.group(2).strip("~r")))
+    words = {p.lower() for p in parts[1:]}
+
+    def distance(s: Shape) -> tuple[float, bool]:
+        mean_kv = max(1, s.total_kv // s.batch)
+        return (abs(math.log2(s.batch / batch)) + abs(math.log2(mean_kv / kv)),
+                s.kv_format.value not in words)
+
+    return sorted(shapes, key=distance)
+
+
 _KEY_RE = re.compile(r"b\d+-q\d+-kvr?\d+(-[0-9a-f]+)?-h\d+-[a-z0-9]+-p\d+")
 _SIZE_RE = re.compile(r"(\d+)[xX](~?\d+r?)")
 _QUAL_RE = re.compile(r"([hqp])(\d+)")

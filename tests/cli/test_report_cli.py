@@ -121,6 +121,18 @@ def test_unknown_shape_is_exit_2_listing_what_exists(db, text, message):
         assert "2x512 bf16 h16 q1" in r.output and "2x512 fp8 h16 q1" in r.output
 
 
+def test_an_unknown_shape_on_a_large_db_names_the_nearest_few_and_counts_the_rest():
+    """The shipped DB holds over 200 winners: the error names the closest ten (the ragged
+    128-sequence buckets of that format first for '128x4096 fp8'), not the whole DB."""
+    r = runner.invoke(app, ["report", "--db", "shipped", "--shape", "128x4096 fp8"], env=ENV)
+    message = " ".join(r.output.split())
+    assert r.exit_code == 2
+    listed = message.split("nearest shapes with winners: ")[1].split(" and ")[0].split(", ")
+    assert len(listed) == 10 and listed[0].startswith("128x~") and "fp8" in listed[0]
+    assert all(label.startswith("128x") for label in listed)
+    assert "more (`mla-tune report` lists them all)" in message
+
+
 def test_geomeans_count_only_shapes_with_a_baseline_and_say_how_many(db):
     with TuningStore(db, read_only=True) as store:
         rows = report_rows(store)
