@@ -4,10 +4,13 @@ only when this command runs."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 from rich.console import Console
 
-from mla_tune.problem.shapes import KVFormat, ShapeError, parse_shape
+from mla_tune.cli.common import DB_HELP
+from mla_tune.problem.shapes import KVFormat, Shape, ShapeError, parse_shape
 
 # Configs and file names are printed as they are: no markup, no :emoji: codes.
 _out = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
@@ -20,8 +23,14 @@ def route(
                                        "over all three)."),
     heads: int = typer.Option(16, help="Query heads."),
     q_len: int = typer.Option(1, "--q-len", help="Query tokens per sequence (1-4)."),
-    db: str | None = typer.Option(None, help="Tuning DB: a SQLAlchemy URL or a SQLite file "
-                                             "path (default: $MLA_TUNE_DB or tuning.db)."),
+    serving: bool = typer.Option(False, "--serving", help="Route a serving call of BATCH "
+                                 "sequences whose lengths average KV instead: its length "
+                                 "bucket and the variant the bucket's runner builds (a ragged "
+                                 "task tuple; with --page-size, MLADecodeWrapper's page pool)."),
+    page_size: int | None = typer.Option(None, "--page-size", min=1, help="KV page size of "
+                                         "the call (default 1; with --serving: route the "
+                                         "wrapper's page pool of this page size)."),
+    db: str | None = typer.Option(None, help=DB_HELP),
     winners: str | None = typer.Option(None, help="Route from this winners JSON file "
                                                   "instead of the DB."),
     device: str | None = typer.Option(None, help="cuda or cpu (default: cuda when present)."),
@@ -33,7 +42,7 @@ def route(
     from mla_tune.runtime.dispatcher import FORMAT_ORDER, Dispatcher
 
     try:
-        base = parse_shape(shape, q_len=q_len, heads=heads)
+        base = parse_shape(shape, q_len=q_len, heads=heads, page_size=page_size or 1)
         fmt = None if kv_format.strip().lower() == "auto" else KVFormat.parse(kv_format)
     except (ShapeError, ValueError) as e:
         fail(str(e))
@@ -46,6 +55,9 @@ def route(
         fail(str(e))
     _out.print(f"table: {d.summary()}")
     formats = [fmt] if fmt is not None else list(FORMAT_ORDER)
+    if serving:
+        _route_buckets(d, base, formats, paged=page_size is not None)
+        return
     for f in formats:
         chain = d.decisions(base.with_format(f))
         first = chain[0]
@@ -62,3 +74,24 @@ def route(
 
 def _cfg(config: dict[str, object]) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(config.items()))
+
+
+def _route_buckets(d: Any, base: Shape, formats: list[KVFormat], paged: bool) -> None:
+    """What a serving call's bucket runs: the route `MLADecodeWrapper.plan` (paged) or a
+    ragged task tuple (contiguous) takes for these host-side sizes, per format."""
+    from mla_tune.runtime.buckets import KV_BUCKETS_ENV, router_for
+
+    router = router_for(d)
+    call = (f"MLADecodeWrapper, pages of {base.page_size}" if paged
+            else "ragged task tuple, contiguous KV")
+    _out.print(f"length buckets: kv edges {', '.join(map(str, router.edges.kv))} "
+               f"(${KV_BUCKETS_ENV} sets them); a call routes by its mean length")
+    for f in formats:
+        bucket = router.bucket(base.batch, base.total_kv, base.q_len, base.heads, f,
+                               base.page_size)
+        chain = router.decisions(bucket, paged)
+        first = chain[0]
+        _out.print(f"bucket {bucket.label()} ({call}): {first.backend} {_cfg(first.config)}")
+        _out.print(f"  why: {first.reason}: {first.detail}")
+        for alt in chain[1:]:
+            _out.print(f"  if that fails: {alt.backend} {_cfg(alt.config)} ({alt.reason})")

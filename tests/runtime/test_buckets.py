@@ -332,3 +332,36 @@ def test_force_can_pin_a_knob_only_the_bucket_runner_has(monkeypatch) -> None:
     assert first.reason == "forced" and first.backend == "triton"
     assert (first.config["seg_cost"], first.config["num_splits"]) == (4, 2)
     assert d._forced(bucket.representative()) is None  # the uniform lookup cannot
+
+
+def test_route_serving_names_the_bucket_and_what_its_runner_builds(tmp_path,
+                                                                   monkeypatch) -> None:
+    """`mla-tune route --serving`: the bucket a wrapper's (or ragged task's) call of these
+    sizes lands in, by the edges in force, and the ragged winner its runner builds."""
+    from typer.testing import CliRunner
+
+    from mla_tune.cli.main import app
+    from mla_tune.results.winners_file import write_winners_json
+
+    ragged, paged = Shape(2, (100, 400)), Shape(2, (100, 400), page_size=16)
+    path = tmp_path / "w.json"
+    write_winners_json([record(ragged, dict(TORCH_CFG, compute_dtype="bfloat16")),
+                        record(paged, dict(TORCH_CFG, num_splits=4))], path)
+    cli = CliRunner()
+
+    def route(*args: str, size: str = "2x250") -> list[str]:
+        r = cli.invoke(app, ["route", "-s", size, "-f", "bf16", "--winners", str(path),
+                             "--device", "cpu", "--serving", *args])
+        assert r.exit_code == 0, r.output
+        return r.stdout.splitlines()
+
+    task, wrapper = route(), route("--page-size", "16")
+    assert "bucket 2x(128,256] bf16 h16 q1 p1 (ragged task tuple" in task[2]
+    assert "compute_dtype=bfloat16" in task[2] and task[3].startswith("  why: exact")
+    assert "bucket 2x(128,256] bf16 h16 q1 p16 (MLADecodeWrapper, pages of 16)" in wrapper[2]
+    assert "num_splits=4" in wrapper[2] and wrapper[3].startswith("  why: exact")
+    assert route("--page-size", "16", size="2x150")[3].startswith("  why: exact")
+    monkeypatch.setenv("MLA_TUNE_KV_BUCKETS", "200,1000")  # now 150 and 250 part
+    moved = route("--page-size", "16", size="2x150")
+    assert "kv edges 200, 1000" in moved[1] and "bucket 2x(0,200]" in moved[2]
+    assert moved[3].startswith("  why: heuristic")  # no winner of that bucket
