@@ -188,21 +188,32 @@ def _print_plan(shapes: Sequence[Shape], backends: Sequence[Any], device: str,
 
 
 def _print_winners(results: Sequence[Any]) -> None:
-    table = Table(title="winners")
-    for col in ("shape", "backend", "config", "median µs", "new", "reused", "side by side"):
-        table.add_column(col)
+    """The winners as a compact table (cells fold, never cut to an ellipsis, at any
+    terminal width) and each winner's config as a line under it, as `report` prints them."""
+    from rich import box
+    from rich.text import Text
+
+    from mla_tune.reports.table import config_text
+
+    table = Table(title="winners", title_justify="left", box=box.SIMPLE_HEAD, padding=0)
+    for col, numeric in (("shape", False), ("backend", False), ("median µs", True),
+                         ("new", True), ("reused", True), ("side by side", True)):
+        table.add_column(col, justify="right" if numeric else "left", overflow="fold")
+    lines = []
     for r in results:
         w = r.winner
         new = sum(b.new_trials for b in r.backends)
         reused = sum(b.reused_trials for b in r.backends)
         together = str(r.side_by_side) if r.side_by_side else "-"
-        if w is None:
-            table.add_row(r.shape.label(), "-", "no correct variant", "-", str(new), str(reused),
-                          together)
-        else:
-            table.add_row(r.shape.label(), w.backend, json.dumps(w.config, sort_keys=True),
-                          f"{w.median_us:.1f}", str(new), str(reused), together)
+        cells = ((r.shape.label(), "-", "-") if w is None
+                 else (r.shape.label(), w.backend, f"{w.median_us:.1f}"))
+        table.add_row(*(Text(c) for c in (*cells, str(new), str(reused), together)))
+        lines.append(f"  {r.shape.label()}: no correct variant" if w is None
+                     else f"  {r.shape.label()} {w.backend}: {config_text(w.config)}")
     out.print(table)
+    out.print("configs:", highlight=False)
+    for line in lines:
+        out.print(line, highlight=False)
     if any(r.side_by_side for r in results):
         console.print("side by side: finalists timed again in one interleaved run; each keeps "
                       "the better of its two timings", highlight=False, style="dim")

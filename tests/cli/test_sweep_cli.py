@@ -20,6 +20,20 @@ def _sweep(db, *extra):
     return runner.invoke(app, ["sweep", "--db", str(db), *FAST, *extra])
 
 
+@pytest.mark.parametrize("width", ["40", "200"])
+def test_the_winners_print_whole_at_any_terminal_width(tmp_path, width):
+    """Each winner's time and config come out whole (no cell cut to an ellipsis): the
+    config as its own line under the table, the table's cells folding."""
+    db = tmp_path / "tuning.db"
+    r = runner.invoke(app, ["sweep", "--db", str(db), *FAST, "--shape", "2x64", "-f", "bf16",
+                            "--backend", "torch"], env={"COLUMNS": width})
+    assert r.exit_code == 0, r.output
+    (w,) = TuningStore(str(db)).winners()
+    config = " ".join(f"{k}={v}" for k, v in sorted(w.config.items()))
+    assert f"  2x64 bf16 h16 q1 torch: {config}\n" in r.stdout
+    assert f"{w.median_us:.1f}" in r.stdout and "…" not in r.stdout
+
+
 def test_sweep_then_report_one_winner_per_format_and_no_duplicates(tmp_path):
     db = tmp_path / "tuning.db"
     r = _sweep(db, "--shape", "4x64", "--backend", "torch")
