@@ -175,12 +175,19 @@ def _print_plan(shapes: Sequence[Shape], backends: Sequence[Any], device: str,
 
     from mla_tune.tuning.plan import plan_sweep
 
+    from rich import box
+
     plan = plan_sweep(shapes, backends, torch.device(device), pins)
-    table = Table(title=f"sweep plan on {device}")
-    for col in ("shape", *plan.backends):
-        table.add_column(col)
+    # Backends that cannot run here are the lines under the table, with their reasons.
+    shown = [i for i, name in enumerate(plan.backends) if name not in plan.skipped]
+    table = Table(title=f"sweep plan on {device}", title_justify="left", box=box.SIMPLE_HEAD,
+                  padding=(0, 1, 0, 0))
+    table.add_column("shape", overflow="fold")
+    for i in shown:
+        table.add_column(plan.backends[i], justify="right", overflow="fold")
     for shape, counts in plan.rows:
-        table.add_row(shape.label(), *("-" if n is None else str(n) for n in counts))
+        table.add_row(shape.label(), *("-" if counts[i] is None else str(counts[i])
+                                       for i in shown))
     out.print(table)
     out.print(f"{plan.total} candidates in all")
     for name, reason in plan.skipped.items():

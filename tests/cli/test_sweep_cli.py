@@ -114,6 +114,14 @@ def test_dry_run_lists_candidates_and_stores_nothing(tmp_path):
     assert f"{expected} candidates in all" in r.stdout and expected > 0
     assert "skipped flashinfer" in r.output
     assert not db.exists()
+    # On a narrow terminal too, each row whole; backends that cannot run here are no column.
+    narrow = runner.invoke(app, ["sweep", "--db", str(db), "--device", "cpu", "--shape",
+                                 "4x1024", "-f", "fp8", "--dry-run"], env={"COLUMNS": "40"})
+    assert narrow.exit_code == 0, narrow.output
+    (row,) = [line for line in narrow.stdout.splitlines() if "4x1024 fp8 h16 q1" in line]
+    header = narrow.stdout.splitlines()[narrow.stdout.splitlines().index(row) - 2]
+    assert row.split()[-1].isdigit() and "…" not in narrow.stdout
+    assert "torch" in header and "flashinfer" not in header
 
 
 def test_a_suite_runs_in_its_own_formats_unless_the_formats_are_named(tmp_path):
