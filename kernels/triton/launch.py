@@ -46,7 +46,8 @@ MXFP4_SCALE_STRIDE = 24
 """Row stride of the MXFP4 scale tensor as aiter pads it: 24 bytes, 18 used."""
 
 KNOB_DEFAULTS: dict[str, Any] = {"fp8_convert": "staged", "kv_load": "pointer", "pdl": True,
-                                 "seg_cost": SEG_COST, "page_rows": "key"}
+                                 "seg_cost": SEG_COST, "page_rows": "key",
+                                 "bucket_runs": "stream"}
 """What a config without one of these knobs means: how the kernel ran before the knob
 existed. The launch rules read a missing knob so, and the family's space fills them into
 stored configs it validates (`complete_config`), so a config stored before a knob keeps
@@ -83,8 +84,11 @@ def variant_feasible(kv_format: str, kv_lens: tuple[int, ...], q_len: int, heads
         balanced = len(set(kv_lens)) > 1
     if str(config["compute"]) not in COMPUTE_BY_FORMAT[kv_format]:
         return False
-    if not balanced and variant_seg_cost(config) != SEG_COST:
-        return False  # per-sequence splits charge no setup: see seg_cost in triton.toml
+    chunks = str(config.get("bucket_runs", "stream")) == "chunks"
+    if (not balanced or chunks) and variant_seg_cost(config) != SEG_COST:
+        return False  # no run crosses a sequence: see seg_cost in triton.toml
+    if chunks and not balanced:
+        return False  # a balanced runner's knob: see bucket_runs in triton.toml
     block_m, block_n = int(config["block_m"]), int(config["block_n"])
     if WARPS_FOR_BLOCK_M.get(block_m) != int(config["num_warps"]):
         return False
@@ -130,7 +134,8 @@ def variant_config(kv_format: str, page_size: int, config: Mapping[str, Any]) ->
         fast_mode=bool(config["fast_mode"]),
         fp8_convert=str(config.get("fp8_convert", "staged")),
         kv_load=str(config.get("kv_load", "pointer")), pdl=bool(config.get("pdl", True)),
-        page_rows=str(config.get("page_rows", "key")))
+        page_rows=str(config.get("page_rows", "key")),
+        bucket_runs=str(config.get("bucket_runs", "stream")))
 
 
 def balanced_launcher(kv_format: str, batch: int, q_len: int, heads: int,

@@ -64,7 +64,13 @@ slot p + b: a sequence's slots are consecutive, and no two segments share one (f
 b < b', sequence b' starts at or after the program where b ends), so n_splits + batch
 slots hold them all. A sequence inside one program's run is written directly.
 Each sequence also counts `seg_cost` blocks of setup at its start, so a program whose run
-starts a sequence gets fewer keys. SCHED_TOKENS reads the contiguous cache (KV_INDPTR:
+starts a sequence gets fewer keys. With CHUNKS (the `bucket_runs='chunks'` knob) no run
+crosses a sequence: the programs compute the smallest chunk of c blocks for which the
+sequences' chunks (ceil(blocks / c) each) number at most the programs (a binary search
+over c), and program p takes chunk p of that list, cut evenly inside its sequence; its
+partial goes to slot p, and programs past the last chunk exit. A segment's fixed costs
+(Q load, pipeline fill and drain, partial write) are then paid once per program, as in
+per-sequence splits, at the price of chunks rounded up per sequence. SCHED_TOKENS reads the contiguous cache (KV_INDPTR:
 cumulative tokens); SCHED_PAGED reads FlashInfer's paged metadata as servers hold it
 (KV_INDPTR: per-sequence lengths; PAGE_TBL: page indices, PAGED == PAGE_INDEX), each tile's
 page indices loaded one tile ahead: through TMA where a tile lies inside a page and
@@ -384,6 +390,42 @@ def _stream_partials(c0, n, b, per):
     partials, program p to slot p + b."""
     p0 = c0 // per
     return p0 + b, (c0 + n - 1) // per - p0 + 1
+
+
+@triton.jit
+def _chunk_schedule(KV_INDPTR, batch, n_progs, SCHED: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BATCH_P2: tl.constexpr):
+    """The chunked balanced schedule (CHUNKS; "Balanced schedule" in the module docstring)
+    from the lengths: per sequence [BATCH_P2] (blocks, chunks, first chunk in the batch's
+    list) for the smallest chunk size whose chunks number at most `n_progs`."""
+    ob = tl.arange(0, BATCH_P2)
+    ok = ob < batch
+    if SCHED == 1:
+        L = tl.load(KV_INDPTR + 1 + ob, mask=ok, other=0).to(tl.int32) - \
+            tl.load(KV_INDPTR + ob, mask=ok, other=0).to(tl.int32)
+    else:
+        L = tl.load(KV_INDPTR + ob, mask=ok, other=0).to(tl.int32)
+    nblk = tl.where(ok, tl.cdiv(L, BLOCK_N), 0)
+    hi = tl.maximum(tl.max(nblk, 0), 1)
+    lo = hi * 0 + 1
+    while lo < hi:  # every sequence in one chunk (hi) fits: batch <= n_progs
+        mid = (lo + hi) // 2
+        if tl.sum(tl.cdiv(nblk, mid), 0) <= n_progs:
+            hi = mid
+        else:
+            lo = mid + 1
+    k = tl.cdiv(nblk, lo)
+    return nblk, k, tl.cumsum(k, 0) - k
+
+
+@triton.jit
+def _seq_chunks(nblk, k, first, b, BATCH_P2: tl.constexpr):
+    """(blocks, chunks actually holding blocks, first slot, blocks per chunk) of sequence
+    b under _chunk_schedule: its blocks cut evenly into chunks of ceil(blocks / chunks)."""
+    sel = tl.arange(0, BATCH_P2) == b
+    n = _pick(nblk, sel)
+    per = tl.cdiv(n, tl.maximum(_pick(k, sel), 1))
+    return n, tl.cdiv(n, tl.maximum(per, 1)), _pick(first, sel), per
 
 
 @triton.jit
@@ -940,11 +982,13 @@ def mla_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, UPCAST: tl.constexpr,
     FP8_STAGED: tl.constexpr, NV_ASM: tl.constexpr, TMA: tl.constexpr,
     SCHED: tl.constexpr = 0, BATCH_P2: tl.constexpr = 1, batch=None, seg_cost=None,
+    CHUNKS: tl.constexpr = 0,
 ):
     """Grid (row blocks, splits, batch) for SCHED_SPLITS; (row blocks, programs, 1) for the
     balanced schedules, where `n_splits` is the number of programs, `total_rows` the
     partial slots' row stride (rows of a sequence), `batch` the batch, BATCH_P2 a power of
-    two >= it and `seg_cost` the blocks a sequence's setup counts for (_stream_schedule).
+    two >= it and `seg_cost` the blocks a sequence's setup counts for (_stream_schedule;
+    CHUNKS: the chunked schedule instead, _chunk_schedule, which charges none).
     See the module docstring for the scheme.
     `fast` (runtime, so it costs no extra compile): lazy rescaling and the fused
     last-program merge instead of a second launch (balanced schedules: 2 is lazy
@@ -969,6 +1013,28 @@ def mla_decode_kernel(
                 pid_m, b, q_start, q_len, rows, r0, kv_start, L, split, chunk, n_act,
                 0, 0, 0, 0, KV_FMT, COMPUTE, BLOCK_M, BLOCK_N, PAGED, UPCAST, FP8_STAGED,
                 NV_ASM, TMA, SCHED)
+    elif CHUNKS:
+        # One chunk of one sequence: chunk `split` of the batch's list.
+        r0 = pid_m * BLOCK_M
+        nblk_v, k_v, first_v = _chunk_schedule(KV_INDPTR, batch, n_splits, SCHED, BLOCK_N,
+                                               BATCH_P2)
+        b = tl.sum(((tl.arange(0, BATCH_P2) < batch) & (first_v + k_v <= split))
+                   .to(tl.int32), 0)
+        if b < batch:
+            n, n_act, first, per = _seq_chunks(nblk_v, k_v, first_v, b, BATCH_P2)
+            j = split - first
+            kv_start, L = _seq_keys(KV_INDPTR, b, SCHED)
+            q_start = tl.load(QO_INDPTR + b)
+            q_len = tl.load(QO_INDPTR + b + 1) - q_start
+            rows = q_len * H
+            if (r0 < rows) & (j < n_act):
+                _attend_rows(
+                    Q, KV, KV_DESC_N, KV_DESC_R, KV_SCALE, KV_SC, sc_stride, PAGE_TBL,
+                    PAGE_INDPTR, page_shift, OUT, PART_O, PART_LSE, COUNTERS, H, total_rows,
+                    qk_scale, fast, pid_m, b, q_start, q_len, rows, r0, kv_start, L, 0, 0,
+                    n_act, j * per * BLOCK_N, tl.minimum(j * per + per, n) * BLOCK_N, split,
+                    first, KV_FMT, COMPUTE, BLOCK_M, BLOCK_N, PAGED, UPCAST, FP8_STAGED,
+                    NV_ASM, TMA, SCHED)
     else:
         # This program's run of the block stream: one segment per sequence it touches.
         r0 = pid_m * BLOCK_M
@@ -1008,14 +1074,14 @@ def mla_decode_kernel(
 def mla_merge_kernel(QO_INDPTR, KV_INDPTR, PART_O, PART_LSE, OUT, H, total_rows, n_splits,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
                      SCHED: tl.constexpr = 0, BATCH_P2: tl.constexpr = 1, batch=None,
-                     seg_cost=None):
+                     seg_cost=None, CHUNKS: tl.constexpr = 0):
     """Second-launch merge, grid (row blocks, batch, MERGE_CHUNKS): each program merges one
     slice of the output dims, 16 splits per load, so a sequence's partials are read by
     MERGE_CHUNKS programs at once in one or a few round trips. Sequences with one split
     were written directly by the split kernel. PDL: launched as a programmatic dependent
     launch, so the split kernel's writes are waited for here, after the bounds are read
     (the index arrays are inputs of both kernels, not written by either). The balanced
-    schedules (SCHED, `batch`, BATCH_P2, `seg_cost` and the arguments as in
+    schedules (SCHED, `batch`, BATCH_P2, `seg_cost`, CHUNKS and the arguments as in
     mla_decode_kernel) find a sequence's partials from the same schedule."""
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
@@ -1025,6 +1091,10 @@ def mla_merge_kernel(QO_INDPTR, KV_INDPTR, PART_O, PART_LSE, OUT, H, total_rows,
     if SCHED == 0:
         _, _, _, n_act = _split_bounds(KV_INDPTR, b, n_splits, BLOCK_N)
         first = 0
+    elif CHUNKS:
+        nblk_v, k_v, first_v = _chunk_schedule(KV_INDPTR, batch, n_splits, SCHED, BLOCK_N,
+                                               BATCH_P2)
+        _, n_act, first, _ = _seq_chunks(nblk_v, k_v, first_v, b, BATCH_P2)
     else:
         _, _, blk0_v, nblk_v, per = _stream_schedule(KV_INDPTR, batch, n_splits, seg_cost,
                                                      SCHED, BLOCK_N, BATCH_P2)
@@ -1062,6 +1132,7 @@ class KernelConfig:
     kv_load: str = "pointer"
     pdl: bool = True
     page_rows: str = "key"
+    bucket_runs: str = "stream"
 
     def tma(self) -> bool:
         """bf16/fp8 tiles load through tensor descriptors (MXFP4 keeps pointers)."""
@@ -1163,7 +1234,8 @@ def kernel_launches(cfg: KernelConfig, *, heads: int, paged: bool | int, merge: 
     kv = _KV_DTYPES[cfg.kv_format]
     f32, i32 = torch.float32, torch.int32
     constexprs = cfg.constexprs(paged, upcast, target.startswith("cuda"), sched, batch_p2)
-    extra = {} if sched == SCHED_SPLITS else {"batch": 2, "seg_cost": 2}
+    extra = {} if sched == SCHED_SPLITS else {"batch": 2, "seg_cost": 2,
+                                              "CHUNKS": int(cfg.bucket_runs == "chunks")}
     desc_n = desc_r = kv
     if constexprs["TMA"] == TMA_HOST_DESC:
         desc_n, desc_r = kv_descriptors(torch.empty((1, D_QK.value), dtype=kv, device="meta"),
@@ -1360,9 +1432,9 @@ class MlaDecodeLauncher:
         k1.run  # noqa: B018 - loads the module and creates the launcher
         # Constexprs (and `batch`, `seg_cost`: None here) go last, in parameter order.
         merge_cx = (self.cfg.block_m, self.cfg.block_n, self.merge_opts["PDL"], SCHED_SPLITS,
-                    1, None, None)
+                    1, None, None, 0)
         self._raw = (k1.run, k1.function, k1.packed_metadata,
-                     tuple(self.constexprs.values()) + (None, None),
+                     tuple(self.constexprs.values()) + (None, None, 0),
                      None if k2 is None else (k2.run, k2.function, k2.packed_metadata,
                                               merge_cx))
         if k2 is not None:
@@ -1499,8 +1571,9 @@ class BalancedLauncher:
         self.constexprs = cfg.constexprs(self.paged_flag, self.upcast, nvidia, sched,
                                          self.batch_p2)
         self.kernel_desc = self.constexprs["TMA"] == TMA_KERNEL_DESC
+        self.chunks = int(cfg.bucket_runs == "chunks")
         self.merge_opts = dict(cfg.merge_options(self.upcast, nvidia), SCHED=sched,
-                               BATCH_P2=self.batch_p2)
+                               BATCH_P2=self.batch_p2, CHUNKS=self.chunks)
         self.merge = MERGE_FUSED
         self.separate_merge = False
         self.fast = 1
@@ -1534,7 +1607,8 @@ class BalancedLauncher:
         """Use `programs` programs per row block (sizes the partial slots) and, if given,
         charge `seg_cost` blocks per sequence start: runtime arguments of the same
         compiled kernels."""
-        self.programs = max(1, int(programs))
+        # The chunked schedule gives every sequence a program at least.
+        self.programs = max(1, int(programs), self.batch if self.chunks else 1)
         if seg_cost is not None:
             self.seg_cost = int(seg_cost)
         slots = self.programs + self.batch
@@ -1595,7 +1669,8 @@ class BalancedLauncher:
         self._mid1 = (self.part_o.data_ptr(), self.part_lse.data_ptr(),
                       self.counters.data_ptr(), self.heads, self.stride, self.programs,
                       self.qk_scale, self.fast)
-        self._tail1 = tuple(self.constexprs.values()) + (self.batch, self.seg_cost)
+        self._tail1 = tuple(self.constexprs.values()) + (self.batch, self.seg_cost,
+                                                         self.chunks)
         merge = None
         if self.separate_merge:
             k2 = self._compiled[1]
@@ -1607,7 +1682,7 @@ class BalancedLauncher:
                      (self.part_o.data_ptr(), self.part_lse.data_ptr()),
                      (self.heads, self.stride, self.programs, self.cfg.block_m,
                       self.cfg.block_n, self.merge_opts["PDL"], self.sched, self.batch_p2,
-                      self.batch, self.seg_cost))
+                      self.batch, self.seg_cost, self.chunks))
         self._raw = (_c_launch(k1.run), merge)
         self.launch_ptrs = self._launch_ptrs
 
@@ -1685,7 +1760,7 @@ class BalancedLauncher:
                 self.page_shift, out, self.part_o, self.part_lse, self.counters,
                 self.heads, self.stride, self.programs, self.qk_scale, self.fast,
                 **self.constexprs, batch=self.batch, seg_cost=self.seg_cost,
-                num_warps=c.num_warps, num_stages=c.num_stages)
+                CHUNKS=self.chunks, num_warps=c.num_warps, num_stages=c.num_stages)
             if self.separate_merge:
                 mla_merge_kernel[self.merge_grid](qo, kvp, self.part_o, self.part_lse,
                                                   out, self.heads, self.stride,

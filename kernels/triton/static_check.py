@@ -91,10 +91,10 @@ def _source_hash() -> str:
 def variant_key(cfg: md.KernelConfig) -> tuple:
     """What distinguishes compiled kernels: runtime knobs (split count, fast mode, the page
     size value) do not, only whether a page table is read (and, by a balanced runner, a
-    page index per key or per tile)."""
+    page index per key or per tile, and runs along the stream or in chunks)."""
     return (cfg.kv_format, cfg.compute, cfg.block_m, cfg.block_n, cfg.num_warps,
             cfg.num_stages, cfg.page_size > 1, cfg.fp8_convert,
-            cfg.kv_load if cfg.tma() else "pointer", cfg.pdl, cfg.page_rows)
+            cfg.kv_load if cfg.tma() else "pointer", cfg.pdl, cfg.page_rows, cfg.bucket_runs)
 
 
 def compiled_key(cfg: md.KernelConfig, heads: int = 16,

@@ -134,6 +134,24 @@ def test_a_page_index_per_tile_only_for_pointer_loads_from_pages_of_a_tile():
     assert kernel_config(ragged, point).page_rows == "tile"
 
 
+def test_chunked_runs_only_for_balanced_runners_and_without_a_setup_charge():
+    # bucket_runs='chunks' (no run crosses a sequence) exists for ragged shapes, whose
+    # builds are the length buckets' runners, with seg_cost at its default (unused there).
+    from mla_tune.backends.triton_family import kernel_config
+
+    fam, cuda = TritonFamily(), torch.device("cuda")
+    for page in (1, 64):
+        ragged = Shape(batch=3, kv_lens=(1000, 300, 517), page_size=page, kv_format="fp8")
+        runs = {(c["bucket_runs"], c["seg_cost"]) for c in fam.candidates(ragged, cuda)}
+        assert {r for r, _ in runs} == {"stream", "chunks"}
+        assert {s for r, s in runs if r == "chunks"} == {1}
+        assert {s for r, s in runs if r == "stream"} == {1, 2, 4, 8}
+        point = next(c for c in fam.candidates(ragged, cuda) if c["bucket_runs"] == "chunks")
+        assert kernel_config(ragged, point).bucket_runs == "chunks"
+    for shape in (Shape.uniform(4, 1024, page_size=64), Shape.uniform(4, 1024)):
+        assert {c["bucket_runs"] for c in fam.candidates(shape, cuda)} == {"stream"}
+
+
 def test_configs_stored_before_a_knob_validate_to_its_default():
     from mla_tune.backends.triton_family import kernel_config
     from mla_tune.kernels.triton.launch import variant_seg_cost
@@ -144,7 +162,8 @@ def test_configs_stored_before_a_knob_validate_to_its_default():
     for device in (torch.device("cuda"), torch.device("cpu")):
         space = fam.declared_space(device).restrict({"num_splits": 1})  # pins keep them
         point = next(space.grid())
-        old = {k: v for k, v in point.items() if k not in ("seg_cost", "pdl", "page_rows")}
+        old = {k: v for k, v in point.items()
+               if k not in ("seg_cost", "pdl", "page_rows", "bucket_runs")}
         assert space.validate(old) == space.validate(point) == point
         assert variant_seg_cost(old) == SEG_COST == point["seg_cost"]
     # seg_cost is a runtime argument: every value is the same compiled kernel.

@@ -96,8 +96,32 @@ CASES: dict[str, tuple[str, tuple[int, ...], int, int, dict[str, Any], dict[str,
                                             page_rows="tile")),
     "paged_mxfp4_p32_q4_tiles": ("mxfp4", (70, 120, 12), 4, 32, dict(programs=3),
                                  dict(block_n=32, page_rows="tile")),
+    # Chunks (bucket_runs='chunks'): each program one chunk of one sequence; sequences of
+    # one chunk and of several, idle programs past the last chunk, fewer programs asked
+    # for than sequences (the launcher gives each sequence one), both merges.
+    "tokens_bf16_chunks_merge": ("bf16", (37, 300, 5, 130), 1, 0, dict(programs=6),
+                                 dict(block_n=32, bucket_runs="chunks")),
+    "tokens_bf16_chunks_fewer_programs": ("bf16", (37, 300, 5, 130), 1, 0, dict(programs=2),
+                                          dict(block_n=32, bucket_runs="chunks")),
+    "tokens_bf16_chunks_idle_progs": ("bf16", (20, 9), 1, 0, dict(programs=40),
+                                      dict(block_n=16, bucket_runs="chunks")),
+    "tokens_fp8_fp8_tma_chunks_fused_q4": ("fp8", (60, 250, 17), 4, 0, dict(programs=6),
+                                           dict(compute="fp8", block_n=64, kv_load="tma",
+                                                fast_mode=True, bucket_runs="chunks")),
+    "tokens_fp8_fp8_tma_nan_neighbour_chunks": ("fp8", (37, 300, 20, 129), 1, 0,
+                                                dict(programs=7),
+                                                dict(compute="fp8", block_n=64,
+                                                     kv_load="tma", bucket_runs="chunks")),
+    "paged_bf16_p64_q4_tiles_chunks": ("bf16", (37, 300, 64, 129), 4, 64, dict(programs=7),
+                                       dict(block_n=32, page_rows="tile",
+                                            bucket_runs="chunks")),
+    "paged_mxfp4_p16_chunks_lazy_separate": ("mxfp4", (70, 120, 12), 1, 16,
+                                             dict(programs=5, merge="separate"),
+                                             dict(block_n=32, fast_mode=True,
+                                                  bucket_runs="chunks")),
 }
-NAN_SEQUENCE = {"tokens_fp8_fp8_tma_nan_neighbour": 1, "tokens_bf16_q4_tma_nan_neighbour": 1}
+NAN_SEQUENCE = {"tokens_fp8_fp8_tma_nan_neighbour": 1, "tokens_bf16_q4_tma_nan_neighbour": 1,
+                "tokens_fp8_fp8_tma_nan_neighbour_chunks": 1}
 """Cases whose sequence of this index holds NaN keys; the others' outputs are checked."""
 BOUND = {"bf16": 0.02, "mxfp4": 0.02}
 """Max abs error per format; fp8 cases by compute path (e4m3 Q and P: 0.08)."""
@@ -127,6 +151,7 @@ def test_balanced_schedule_matches_reference(results: dict[str, dict], name: str
         assert r["tma"] == (1 if tma else 0), r
         tiles = not tma and cfg.get("page_rows") == "tile" and page >= cfg["block_n"]
         assert r["paged"] == (3 if tiles else 2), r  # PAGE_TILES or PAGE_INDEX
+    assert r["chunks"] == (cfg.get("bucket_runs") == "chunks"), r
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
@@ -142,8 +167,10 @@ def test_balanced_schedule_compiled_on_the_gpu(name: str) -> None:
     assert r["err"] <= _bound(fmt, cfg), r
 
 
-def test_a_launcher_serves_other_lengths_of_its_batch(results: dict[str, dict]) -> None:
-    r = results["second_call_other_lengths"]
+@pytest.mark.parametrize("row", ["second_call_other_lengths", "chunks_second_call"])
+def test_a_launcher_serves_other_lengths_of_its_batch(results: dict[str, dict],
+                                                      row: str) -> None:
+    r = results[row]
     assert r["err"] <= 0.02 and r["finite"], r
 
 
@@ -268,7 +295,7 @@ def _run_case(name: str, fmt: str, lens: tuple[int, ...], q_len: int, page: int,
     out, ref = out.float().cpu()[keep], ref[keep]
     return ({"name": name, "err": float((out - ref).abs().max()),
              "finite": bool(torch.isfinite(out).all()), "tma": launcher.constexprs["TMA"],
-             "paged": int(launcher.paged_flag)},
+             "paged": int(launcher.paged_flag), "chunks": bool(launcher.chunks)},
             launcher)
 
 
@@ -278,10 +305,12 @@ def _child() -> None:
     for name, (fmt, lens, q_len, page, options, cfg) in CASES.items():
         row, launcher = _run_case(name, fmt, lens, q_len, page, options, cfg, seed=3)
         print(json.dumps(row), flush=True)
-        if name == "paged_bf16_p64_fused":
+        again = {"paged_bf16_p64_fused": "second_call_other_lengths",
+                 "tokens_bf16_chunks_merge": "chunks_second_call"}.get(name)
+        if again:
             # The same launcher (buffers sized for its batch) on the next lengths.
-            row, _ = _run_case("second_call_other_lengths", fmt, (200, 11, 64, 301), q_len,
-                               page, options, cfg, seed=4, launcher=launcher)
+            row, _ = _run_case(again, fmt, (200, 11, 64, 301), q_len, page, options, cfg,
+                               seed=4, launcher=launcher)
             print(json.dumps(row), flush=True)
 
 

@@ -48,23 +48,26 @@ def test_balanced_schedules_are_compiled_as_the_bucket_runners_run_them() -> Non
     """The static check's balanced kernels are the ones a BalancedLauncher builds: its
     config ('tma_host' as 'tma'; from a page pool TMA where mla_decode.pool_tma says so,
     else pointer loads, a page index per tile where paged_tiles says so), page-table flag
-    and batch bound; 148 of them today (36 + 36 + 32 fp8, 12 + 8 + 6 bf16, 6 + 6 + 6
-    MXFP4 over a contiguous cache, a page pool, and a pool read a page index per tile: the
-    merge launch leaves the split kernel as it is)."""
+    and batch bound; 296 of them today (36 + 36 + 32 fp8, 12 + 8 + 6 bf16, 6 + 6 + 6
+    MXFP4 over a contiguous cache, a page pool, and a pool read a page index per tile,
+    each with runs along the stream and in chunks: the merge launch leaves the split
+    kernel as it is)."""
     from mla_tune.kernels.triton import mla_decode as md
     from mla_tune.kernels.triton.static_check import _launch_form, compiled_key
     from mla_tune.tuning.triton_variants import balanced_variants
 
     variants = balanced_variants()
-    assert 0 < len(variants) <= 148
+    assert 0 < len(variants) <= 296
     assert {s for _, s in variants} == {md.SCHED_TOKENS, md.SCHED_PAGED}
     assert {c.page_rows for c, s in variants if s == md.SCHED_PAGED} == {"key", "tile"}
+    assert sum(c.bucket_runs == "chunks" for c, _ in variants) * 2 == len(variants)
     for cfg in (md.KernelConfig("bf16", "bf16", block_n=64, kv_load="tma_host"),
                 md.KernelConfig("bf16", "bf16", block_n=32, num_stages=3, kv_load="tma"),
                 md.KernelConfig("fp8", "fp8", block_n=64, num_stages=3, kv_load="tma"),
                 md.KernelConfig("mxfp4", "bf16", block_n=64),
                 md.KernelConfig("fp8", "fp8", block_n=64, page_rows="tile"),
-                md.KernelConfig("bf16", "bf16", block_n=32, page_rows="tile")):
+                md.KernelConfig("bf16", "bf16", block_n=32, page_rows="tile",
+                                bucket_runs="chunks")):
         for sched, page in ((md.SCHED_TOKENS, 1), (md.SCHED_PAGED, 16), (md.SCHED_PAGED, 64)):
             runner = md.BalancedLauncher(cfg, heads=16, q_len=1, batch=8, device="cpu",
                                          sched=sched, page_size=page)
@@ -77,6 +80,7 @@ def test_balanced_schedules_are_compiled_as_the_bucket_runners_run_them() -> Non
                 page >= cfg.block_n and not runner.cfg.tma()
             assert runner.paged_flag == (md.PAGE_TILES if tiles else md.PAGE_INDEX
                                          if sched == md.SCHED_PAGED else False)
+            assert runner.chunks == (cfg.bucket_runs == "chunks")
         # Per-sequence splits keep their old cache keys; the schedules get their own.
         keys = {compiled_key(cfg, sched=s) for s in (md.SCHED_SPLITS, md.SCHED_TOKENS,
                                                        md.SCHED_PAGED)}
