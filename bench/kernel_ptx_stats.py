@@ -39,21 +39,20 @@ COUNTED = ("mma.sync", "wgmma.mma_async", "ldmatrix", "ld.shared", "ld.shared.v4
 
 
 def tile_loop(ptx: str) -> str:
-    """The PTX of the KV-tile loop: from the branch into the loop header LLVM marks
-    'Inner Loop Header' to the loop's exit block, so blocks laid out before the header
-    (the latch) are included. Empty when the kernel has no such loop."""
+    """The PTX of the KV-tile loop: from the branch into a loop header LLVM marks 'Inner
+    Loop Header' to the loop's exit block, so blocks laid out before the header (the latch)
+    are included; the first such loop holding MMAs (a chunked bucket runner's search loop
+    comes first and holds none). Empty when the kernel has no such loop."""
     lines = ptx.split("\n")
-    heads = [i for i, line in enumerate(lines) if "Inner Loop Header" in line]
-    if not heads:
-        return ""
-    head = heads[0]
-    label = lines[head].split(":")[0].strip()
-    entries = [i for i, line in enumerate(lines)
-               if "bra" in line and line.strip().endswith(label + ";") and i < head]
-    start = entries[0] if entries else head
-    exits = [i for i, line in enumerate(lines) if i > head and "crit_edge" in line]
-    end = exits[0] if exits else len(lines)
-    return "\n".join(lines[start:end])
+    loops = []
+    for head in (i for i, line in enumerate(lines) if "Inner Loop Header" in line):
+        label = lines[head].split(":")[0].strip()
+        entries = [i for i, line in enumerate(lines)
+                   if "bra" in line and line.strip().endswith(label + ";") and i < head]
+        exits = [i for i, line in enumerate(lines) if i > head and "crit_edge" in line]
+        loops.append("\n".join(lines[entries[0] if entries else head:
+                                      exits[0] if exits else len(lines)]))
+    return next((loop for loop in loops if "mma" in loop), loops[0] if loops else "")
 
 
 def stats(kernel) -> dict[str, int]:
