@@ -70,12 +70,13 @@ sequences' chunks (ceil(blocks / c) each) number at most the programs (a binary 
 over c), and program p takes chunk p of that list, cut evenly inside its sequence; its
 partial goes to slot p, and programs past the last chunk exit. A segment's fixed costs
 (Q load, pipeline fill and drain, partial write) are then paid once per program, as in
-per-sequence splits, at the price of chunks rounded up per sequence. SCHED_TOKENS reads the contiguous cache (KV_INDPTR:
-cumulative tokens); SCHED_PAGED reads FlashInfer's paged metadata as servers hold it
-(KV_INDPTR: per-sequence lengths; PAGE_TBL: page indices, PAGED == PAGE_INDEX), each tile's
-page indices loaded one tile ahead: through TMA where a tile lies inside a page and
-pool_tma says so (_attend_paged_tma), else through pointer loads, with one page index per
-tile where paged_tiles says so (PAGED == PAGE_TILES), else one per key.
+per-sequence splits, at the price of chunks rounded up per sequence.
+SCHED_TOKENS reads the contiguous cache (KV_INDPTR: cumulative tokens); SCHED_PAGED reads
+FlashInfer's paged metadata as servers hold it (KV_INDPTR: per-sequence lengths;
+PAGE_TBL: page indices, PAGED == PAGE_INDEX), each tile's page indices loaded one tile
+ahead: through TMA where a tile lies inside a page and pool_tma says so
+(_attend_paged_tma), else through pointer loads, with one page index per tile where
+paged_tiles says so (PAGED == PAGE_TILES), else one per key.
 
 Causality: query j of a sequence with q_len queries and kv length L sees keys
 [0, L - q_len + j].
