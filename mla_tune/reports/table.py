@@ -519,7 +519,7 @@ def nearest_shapes(text: str, shapes: Sequence[Shape]) -> list[Shape]:
     m = _SIZE_RE.fullmatch(parts[0]) if parts else None
     if m is None:
         return list(shapes)
-    batch, kv = int(m.group(1)), max(1, int(m.group(2).strip("~r")))
+    batch, kv = max(1, int(m.group(1))), max(1, int(m.group(2).strip("~r")))
     words = {p.lower() for p in parts[1:]}
 
     def distance(s: Shape) -> tuple[float, bool]:

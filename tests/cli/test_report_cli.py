@@ -113,7 +113,8 @@ def test_shape_accepts_cli_notation_label_and_key(db, text):
 
 @pytest.mark.parametrize("text, message", [
     ("nonsense", "bad shape 'nonsense'"), ("4x1024", "no stored winner for shape '4x1024'"),
-    ("2x512 mxfp4", "no stored winner"), ("2x512 zz", "'zz' is neither a KV format")])
+    ("2x512 mxfp4", "no stored winner"), ("0x0 fp8", "no stored winner"),
+    ("2x512 zz", "'zz' is neither a KV format")])
 def test_unknown_shape_is_exit_2_listing_what_exists(db, text, message):
     r = runner.invoke(app, ["report", "--db", db, "--shape", text], env=ENV)
     assert r.exit_code == 2 and message in r.output
