@@ -88,7 +88,8 @@ def at_loop_end(stmt: str) -> Patch:
 
 _PROGRAM_END = "                NV_ASM, TMA, SCHED)\n"
 """The end of the SCHED_SPLITS path's `_attend_rows` call, inside its active-program branch."""
-_OTHER_SCHEDULES = "    else:\n"
+_OTHER_SCHEDULES = "    elif CHUNKS:\n"
+"""What follows the SCHED_SPLITS path (the balanced schedules' branches)."""
 
 
 def at_program_end(stmts: Sequence[str]) -> Patch:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 from collections.abc import Sequence
 from typing import Any
@@ -172,10 +171,9 @@ def _print_plan(shapes: Sequence[Shape], backends: Sequence[Any], device: str,
                 pins: dict[str, dict[str, list[Any]]]) -> None:
     """What a sweep would measure: feasible candidates per shape and backend."""
     import torch
+    from rich import box
 
     from mla_tune.tuning.plan import plan_sweep
-
-    from rich import box
 
     plan = plan_sweep(shapes, backends, torch.device(device), pins)
     # Backends that cannot run here are the lines under the table, with their reasons.

@@ -678,7 +678,7 @@ class TritonStandIn(TritonFamily):
 SWEPT_Q1H16 = {"block_m": 16, "block_n": 32, "compute": "bf16", "fast_mode": True,
                "fp8_convert": "staged", "kv_load": "tma_host", "num_splits": 4,
                "num_stages": 3, "num_warps": 4, "page_size": 1, "pdl": True, "seg_cost": 1,
-               "page_rows": "key"}
+               "page_rows": "key", "bucket_runs": "stream"}
 
 
 @pytest.fixture()
