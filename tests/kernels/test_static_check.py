@@ -48,19 +48,24 @@ def test_balanced_schedules_are_compiled_as_the_bucket_runners_run_them() -> Non
     """The static check's balanced kernels are the ones a BalancedLauncher builds: its
     config ('tma_host' as 'tma'; from a page pool TMA where mla_decode.pool_tma says so,
     else pointer loads, a page index per tile where paged_tiles says so), page-table flag
-    and batch bound; 296 of them today (36 + 36 + 32 fp8, 12 + 8 + 6 bf16, 6 + 6 + 6
+    and batch bound; 192 of them today (36 + 36 + 32 fp8, 12 + 8 + 6 bf16, 6 + 6 + 6
     MXFP4 over a contiguous cache, a page pool, and a pool read a page index per tile,
-    each with runs along the stream and in chunks: the merge launch leaves the split
-    kernel as it is)."""
+    with runs along the stream, and 44 with chunked runs, one per format, compute path,
+    row block, schedule, page form, load kind and conversion: the merge launch leaves the
+    split kernel as it is)."""
     from mla_tune.kernels.triton import mla_decode as md
     from mla_tune.kernels.triton.static_check import _launch_form, compiled_key
     from mla_tune.tuning.triton_variants import balanced_variants
 
     variants = balanced_variants()
-    assert 0 < len(variants) <= 296
+    assert 0 < len(variants) <= 192
     assert {s for _, s in variants} == {md.SCHED_TOKENS, md.SCHED_PAGED}
     assert {c.page_rows for c, s in variants if s == md.SCHED_PAGED} == {"key", "tile"}
-    assert sum(c.bucket_runs == "chunks" for c, _ in variants) * 2 == len(variants)
+    chunked = [(c, s) for c, s in variants if c.bucket_runs == "chunks"]
+    assert {(c.kv_format, s, _launch_form(c, s)[0].kv_load, _launch_form(c, s)[1])
+            for c, s in chunked} == {
+        (c.kv_format, s, _launch_form(c, s)[0].kv_load, _launch_form(c, s)[1])
+        for c, s in variants}  # every format, schedule, load kind and page form
     for cfg in (md.KernelConfig("bf16", "bf16", block_n=64, kv_load="tma_host"),
                 md.KernelConfig("bf16", "bf16", block_n=32, num_stages=3, kv_load="tma"),
                 md.KernelConfig("fp8", "fp8", block_n=64, num_stages=3, kv_load="tma"),
