@@ -60,11 +60,7 @@ def route(
         return
     for f in formats:
         chain = d.decisions(base.with_format(f))
-        first = chain[0]
-        _out.print(f"{first.shape.label()}: {first.backend} {_cfg(first.config)}")
-        _out.print(f"  why: {first.reason}: {first.detail}")
-        for alt in chain[1:]:
-            _out.print(f"  if that fails: {alt.backend} {_cfg(alt.config)} ({alt.reason})")
+        _print_chain(chain[0].shape.label(), chain)
     if fmt is None:
         chosen = d.choose_format(base, [f.value for f in FORMAT_ORDER])
         _out.print(f"a task call holding all formats runs {chosen.value} (fastest exact "
@@ -74,6 +70,15 @@ def route(
 
 def _cfg(config: dict[str, object]) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(config.items()))
+
+
+def _print_chain(head: str, chain: list[Any]) -> None:
+    """A route's decisions: what runs, why, and what it falls back to."""
+    first = chain[0]
+    _out.print(f"{head}: {first.backend} {_cfg(first.config)}")
+    _out.print(f"  why: {first.reason}: {first.detail}")
+    for alt in chain[1:]:
+        _out.print(f"  if that fails: {alt.backend} {_cfg(alt.config)} ({alt.reason})")
 
 
 def _route_buckets(d: Any, base: Shape, formats: list[KVFormat], paged: bool) -> None:
@@ -89,9 +94,4 @@ def _route_buckets(d: Any, base: Shape, formats: list[KVFormat], paged: bool) ->
     for f in formats:
         bucket = router.bucket(base.batch, base.total_kv, base.q_len, base.heads, f,
                                base.page_size)
-        chain = router.decisions(bucket, paged)
-        first = chain[0]
-        _out.print(f"bucket {bucket.label()} ({call}): {first.backend} {_cfg(first.config)}")
-        _out.print(f"  why: {first.reason}: {first.detail}")
-        for alt in chain[1:]:
-            _out.print(f"  if that fails: {alt.backend} {_cfg(alt.config)} ({alt.reason})")
+        _print_chain(f"bucket {bucket.label()} ({call})", router.decisions(bucket, paged))

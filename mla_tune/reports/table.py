@@ -483,13 +483,12 @@ def shape_matcher(text: str) -> Callable[[Shape], bool]:
     text = text.strip()
     if _KEY_RE.fullmatch(text):
         return lambda s: s.key == text
-    parts = [p for p in re.split(r"[\s:,/]+", text) if p]
-    m = _SIZE_RE.fullmatch(parts[0]) if parts else None
-    if m is None:
+    size = _size_text(text)
+    if size is None:
         raise ValueError(f"bad shape {text!r}: give BATCHxKV (e.g. 4x1024), optionally with "
                          "a KV format, hN, qN or pN after it (e.g. '4x1024 fp8 h16'), or a "
                          "shape key from `report --format json`")
-    batch, kv, ragged = int(m.group(1)), int(m.group(2).strip("~r")), "~" in m.group(2)
+    batch, kv, ragged, parts = size
 
     def size(s: Shape) -> bool:  # a ragged label shows the mean kv length, `~Nr`
         return s.batch == batch and s.is_ragged == ragged and (
@@ -515,12 +514,11 @@ def shape_matcher(text: str) -> Callable[[Shape], bool]:
 def nearest_shapes(text: str, shapes: Sequence[Shape]) -> list[Shape]:
     """The shapes closest to what `report --shape TEXT` asked for (batch and kv length on a
     log scale, then a shared KV format), for an error that names a few rather than all."""
-    parts = [p for p in re.split(r"[\s:,/]+", text.strip()) if p]
-    m = _SIZE_RE.fullmatch(parts[0]) if parts else None
-    if m is None:
+    size = _size_text(text)
+    if size is None:
         return list(shapes)
-    batch, kv = max(1, int(m.group(1))), max(1, int(m.group(2).strip("~r")))
-    words = {p.lower() for p in parts[1:]}
+    batch, kv = max(1, size[0]), max(1, size[1])
+    words = {p.lower() for p in size[3][1:]}
 
     def distance(s: Shape) -> tuple[float, bool]:
         mean_kv = max(1, s.total_kv // s.batch)
@@ -528,6 +526,16 @@ def nearest_shapes(text: str, shapes: Sequence[Shape]) -> list[Shape]:
                 s.kv_format.value not in words)
 
     return sorted(shapes, key=distance)
+
+
+def _size_text(text: str) -> tuple[int, int, bool, list[str]] | None:
+    """(batch, kv, ragged, words) of a `BATCHxKV [qualifiers...]` text (a ragged label's kv
+    is its mean, `~Nr`), or None when it does not start with a size."""
+    parts = [p for p in re.split(r"[\s:,/]+", text.strip()) if p]
+    m = _SIZE_RE.fullmatch(parts[0]) if parts else None
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2).strip("~r")), "~" in m.group(2), parts
 
 
 _KEY_RE = re.compile(r"b\d+-q\d+-kvr?\d+(-[0-9a-f]+)?-h\d+-[a-z0-9]+-p\d+")
